@@ -1,0 +1,25 @@
+# polytrain: the README's commands call these targets.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo bench lint unit
+
+setup:            ## install polytrain and every backend into .venv (idempotent)
+	bash scripts/setup.sh
+
+test: setup       ## install everything, then run the whole test suite
+	$(PY) -m ruff check polytrain tests examples benchmarks
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+unit:             ## the fast unit tests only (no Ray)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+demo: setup       ## the main job: train the digits example on every installed backend and compare
+	$(PY) examples/digits.py --backend ddp --num-workers 2 --epochs 5
+
+bench: setup      ## side-by-side benchmarks against the native launchers; rewrites benchmarks/RESULTS.md
+	$(PY) benchmarks/run.py
+
+lint:
+	$(PY) -m ruff check polytrain tests examples benchmarks

@@ -1,0 +1,46 @@
+"""polytrain: one trainer API, every distributed backend.
+
+The public names are imported lazily, so ``import polytrain`` costs almost
+nothing until a trainer is used, and never imports an optional framework.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "TorchTrainer": "polytrain.trainer_api.torch_trainer",
+    "TrainingOperator": "polytrain.trainer_api.operator",
+    "ScalingConfig": "polytrain.trainer_api.config",
+    "FailureConfig": "polytrain.trainer_api.config",
+    "CheckpointConfig": "polytrain.trainer_api.config",
+    "available_backends": "polytrain.backends.registry",
+    "describe_backends": "polytrain.backends.registry",
+    "get_backend": "polytrain.backends.registry",
+    "load_checkpoint": "polytrain.trainer_api.checkpoint",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from polytrain.backends.registry import available_backends, describe_backends, get_backend
+    from polytrain.trainer_api.checkpoint import load_checkpoint
+    from polytrain.trainer_api.config import CheckpointConfig, FailureConfig, ScalingConfig
+    from polytrain.trainer_api.operator import TrainingOperator
+    from polytrain.trainer_api.torch_trainer import TorchTrainer
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'polytrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

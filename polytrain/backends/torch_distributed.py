@@ -1,0 +1,93 @@
+"""Process-group plumbing shared by the backends built on ``torch.distributed``."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from polytrain.backends.base import WorkerContext
+from polytrain.launchers.ranks import torch_distributed_env
+from polytrain.launchers.worker import find_free_port
+
+
+def _init_process_group(
+    backend: str,
+    init_method: str,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    env: dict[str, str],
+) -> None:
+    os.environ.update(env)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def default_dist_backend(use_gpu: bool) -> str:
+    """nccl on GPU, gloo on CPU."""
+    return "nccl" if use_gpu else "gloo"
+
+
+def start_process_group(group: Any, ctx: WorkerContext, dist_backend: str | None = None) -> None:
+    """Driver: initialise one ``torch.distributed`` process group across the workers.
+
+    Rank 0's host and a free port on it are the rendezvous; every worker also gets
+    the torchrun environment (MASTER_ADDR, RANK, LOCAL_RANK, ...), which libraries
+    such as DeepSpeed read. Local mode (one in-process worker) starts none.
+    """
+    if ctx.local_mode:
+        return
+    dist_backend = dist_backend or default_dist_backend(ctx.use_gpu)
+    master_addr = group.metadata[0].node_ip
+    master_port = group.execute_single(0, find_free_port)
+    init_method = f"tcp://{master_addr}:{master_port}"
+    refs = [
+        group.execute_single_async(
+            rank,
+            _init_process_group,
+            dist_backend,
+            init_method,
+            info.world_rank,
+            info.world_size,
+            ctx.timeout_s,
+            torch_distributed_env(info, master_addr, master_port),
+        )
+        for rank, info in enumerate(group.rank_infos)
+    ]
+    group.get(refs)
+
+
+def stop_process_group(group: Any) -> None:
+    """Driver: destroy the process groups; tolerate dead workers."""
+    if not getattr(group, "actors", None) or len(group) == 0:
+        return
+    try:
+        import ray
+
+        refs = group.execute_async(_destroy_process_group)
+        ray.wait(refs, num_returns=len(refs), timeout=5)
+    except Exception:  # noqa: BLE001 - dead or local workers
+        pass
+
+
+def module_device_ids(ctx: WorkerContext) -> list[int] | None:
+    """``device_ids`` for DDP-style wrappers: the worker's GPU, or None on CPU."""
+    if ctx.device.type == "cuda":
+        return [ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()]
+    return None

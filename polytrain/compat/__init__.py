@@ -1,0 +1,1 @@
+"""The ground floor: dependency checks and version switches. Imports nothing of polytrain."""

@@ -1,0 +1,92 @@
+"""The worker-group interface in the driver process (``num_workers=0``): no Ray, no actors.
+
+For debugging: breakpoints, ``pdb`` and profilers work in creators and operators,
+and exceptions propagate unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from polytrain.launchers.ranks import RankInfo, WorkerMetadata, compute_ranks
+from polytrain.launchers.worker import Worker
+
+
+class _Done:
+    """A finished call, standing in for an object ref."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class LocalWorkerGroup:
+    """One in-process "worker" with the :class:`WorkerGroup` interface.
+
+    Environment variables the workers would start with are set in the driver
+    while the group runs and restored by :meth:`shutdown`.
+    """
+
+    def __init__(self, env_vars: dict[str, str] | None = None) -> None:
+        self.env_vars = dict(env_vars or {})
+        self._saved_env: dict[str, str | None] = {}
+        self.worker = Worker.__new__(Worker)  # no __init__: leave the driver's priority alone
+        self.actors = [self.worker]
+        self.metadata: list[WorkerMetadata] = []
+        self.rank_infos: list[RankInfo] = []
+        self.device_indices = [-1]
+
+    def start(self) -> None:
+        """Set the workers' environment in this process."""
+        import socket
+
+        for key, value in self.env_vars.items():
+            self._saved_env.setdefault(key, os.environ.get(key))
+            os.environ[key] = value
+        self.metadata = [WorkerMetadata("local", "127.0.0.1", socket.gethostname(), os.getpid())]
+        self.rank_infos = compute_ranks(["local"])
+
+    def __len__(self) -> int:
+        return 1
+
+    def execute_async(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn`` now (there is nothing to overlap with) and return a finished "ref"."""
+        return [_Done(fn(*args, **kwargs))]
+
+    def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn`` in this process; returns ``[result]``."""
+        return [fn(*args, **kwargs)]
+
+    def execute_single_async(
+        self, rank: int, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """Run ``fn`` now; return a finished "ref"."""
+        return _Done(fn(*args, **kwargs))
+
+    def execute_single(self, rank: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` in this process and return its result."""
+        return fn(*args, **kwargs)
+
+    def monitor(self, method: str, timeout_s: float = 10.0) -> list[Any]:
+        """Call a monitor method of the in-process worker."""
+        return [getattr(self.worker, method)()]
+
+    def get(
+        self,
+        refs: Sequence[Any],
+        ranks: Sequence[int] | None = None,
+        on_poll: Callable[[], None] | None = None,
+        poll_interval_s: float = 0.5,
+    ) -> list[Any]:
+        """The values of finished calls."""
+        return [ref.value for ref in refs]
+
+    def shutdown(self) -> None:
+        """Restore the driver's environment. Safe to call twice."""
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env = {}

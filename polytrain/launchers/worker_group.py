@@ -1,0 +1,316 @@
+"""Start, run functions in, and shut down a group of worker actors in a placement group."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from polytrain.errors import InsufficientResourcesError, WorkerDiedError, WorkerError
+from polytrain.launchers.ranks import (
+    RankInfo,
+    WorkerMetadata,
+    compute_ranks,
+    order_by_node,
+    shared_visible_devices,
+)
+from polytrain.launchers.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+_MONITOR = "monitor"
+
+
+def ensure_ray(address: str | None = None) -> None:
+    """Connect to Ray: the running instance, ``address``, or a new local one.
+
+    A new local instance has no dashboard and binds to 127.0.0.1. An address that
+    cannot be reached raises a ConnectionError that names it.
+    """
+    if ray.is_initialized():
+        return
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        existing = canonicalize_bootstrap_address(address)
+    except Exception as exc:  # noqa: BLE001 - e.g. "auto" with no cluster running
+        raise ConnectionError(
+            f"Could not find a Ray cluster at address={address!r} ({exc}). Start one with "
+            f"`ray start --head`, or pass address=None to start a local instance."
+        ) from exc
+    try:
+        if existing is None:
+            ray.init(
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                log_to_driver=True,
+                configure_logging=False,
+            )
+        else:
+            ray.init(address=address, log_to_driver=True)
+    except (ConnectionError, RuntimeError, TimeoutError, ValueError) as exc:
+        raise ConnectionError(
+            f"Could not connect to Ray at address={address!r} ({type(exc).__name__}: {exc}). "
+            f"Check that the cluster is up (`ray status`), or pass address=None to start a "
+            f"local instance."
+        ) from exc
+
+
+def _describe_failure(exc: BaseException, rank: int, meta: WorkerMetadata | None) -> WorkerError:
+    where = f" (pid {meta.pid} on {meta.node_ip})" if meta else ""
+    if isinstance(exc, RayActorError):
+        return WorkerDiedError(
+            f"Worker rank {rank}{where} died: {exc}", rank=rank, remote_traceback=str(exc)
+        )
+    if isinstance(exc, RayTaskError):
+        cause = exc.as_instanceof_cause()
+        remote_tb = str(exc)
+        error = WorkerError(
+            f"Worker rank {rank}{where} raised {exc.cause.__class__.__name__}: {exc.cause}\n\n"
+            f"Remote traceback (rank {rank}):\n{remote_tb}",
+            rank=rank,
+            remote_traceback=remote_tb,
+        )
+        error.__cause__ = cause
+        return error
+    return WorkerError(f"Worker rank {rank}{where} failed: {exc!r}", rank=rank)
+
+
+class WorkerGroup:
+    """A group of :class:`Worker` actors placed together in one placement group.
+
+    World rank ``i`` is the ``i``-th worker after co-located workers were made
+    contiguous; :attr:`rank_infos` and :attr:`metadata` follow that order.
+
+    Args:
+        num_workers: how many actors to start (>= 1).
+        num_cpus_per_worker: CPUs reserved for each actor.
+        num_gpus_per_worker: GPUs reserved for each actor (0 or 1 for training).
+        resources_per_worker: extra custom resources per actor.
+        placement_strategy: one of "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD".
+        start_timeout_s: fail if the workers cannot be placed within this time.
+        env_vars: environment every worker starts with.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        num_cpus_per_worker: float = 1,
+        num_gpus_per_worker: float = 0,
+        resources_per_worker: dict[str, float] | None = None,
+        placement_strategy: str = "PACK",
+        start_timeout_s: float = 30.0,
+        env_vars: dict[str, str] | None = None,
+    ) -> None:
+        if placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"placement_strategy={placement_strategy!r} is not supported. Must be one of "
+                f"{PLACEMENT_STRATEGIES}."
+            )
+        self.num_workers = num_workers
+        self.bundle = {"CPU": float(num_cpus_per_worker)}
+        if num_gpus_per_worker:
+            self.bundle["GPU"] = float(num_gpus_per_worker)
+        self.bundle.update(resources_per_worker or {})
+        self.placement_strategy = placement_strategy
+        self.start_timeout_s = start_timeout_s
+        self.env_vars = dict(env_vars or {})
+        self.actors: list[Any] = []
+        self.metadata: list[WorkerMetadata] = []
+        self.rank_infos: list[RankInfo] = []
+        self._placement_group = None
+
+    # ------------------------------------------------------------------ start
+    def _requested(self) -> str:
+        return f"{self.num_workers} worker(s) x {self.bundle} ({self.placement_strategy})"
+
+    def _check_feasible(self) -> None:
+        total = ray.cluster_resources()
+        for resource, amount in self.bundle.items():
+            if total.get(resource, 0.0) < amount:
+                raise InsufficientResourcesError(
+                    f"Requested {self._requested()}, but the Ray cluster has "
+                    f"{total.get(resource, 0.0):g} {resource} in total, so no worker can "
+                    f"ever be placed. Cluster resources: {_fmt(total)}. "
+                    + (
+                        "Set use_gpu=False or add GPU nodes."
+                        if resource == "GPU"
+                        else "Lower the per-worker resources or add nodes."
+                    )
+                )
+
+    def start(self) -> None:
+        """Place and start the actors, then learn where each runs.
+
+        Raises:
+            InsufficientResourcesError: the workers cannot be placed within ``start_timeout_s``.
+        """
+        self._check_feasible()
+        pg = placement_group(
+            [dict(self.bundle) for _ in range(self.num_workers)], strategy=self.placement_strategy
+        )
+        self._placement_group = pg
+        ready, _ = ray.wait([pg.ready()], timeout=self.start_timeout_s)
+        if not ready:
+            available = ray.available_resources()
+            total = ray.cluster_resources()
+            self.shutdown()
+            raise InsufficientResourcesError(
+                f"Could not place {self._requested()} within start_timeout_s="
+                f"{self.start_timeout_s:g}s. Available now: {_fmt(available)}; cluster total: "
+                f"{_fmt(total)}. Lower num_workers or the per-worker resources, free the "
+                f"cluster, add nodes, or raise start_timeout_s."
+            )
+        remote_cls = ray.remote(concurrency_groups={_MONITOR: 2})(Worker)
+        niceness = os.getpriority(os.PRIO_PROCESS, 0)
+        actors = [
+            remote_cls.options(
+                num_cpus=self.bundle["CPU"],
+                num_gpus=self.bundle.get("GPU", 0),
+                resources={k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=i
+                ),
+                max_restarts=0,
+            ).remote(self.env_vars, niceness)
+            for i in range(self.num_workers)
+        ]
+        self.actors = actors
+        try:
+            metadata = ray.get(
+                [a.metadata.remote() for a in actors], timeout=self.start_timeout_s + 60
+            )
+        except (RayActorError, GetTimeoutError) as exc:
+            self.shutdown()
+            raise WorkerDiedError(
+                f"Workers failed to start: {exc}", rank=-1, remote_traceback=str(exc)
+            ) from exc
+        order = order_by_node([m.node_id for m in metadata])
+        self.actors = [actors[i] for i in order]
+        self.metadata = [metadata[i] for i in order]
+        self.rank_infos = compute_ranks([m.node_id for m in self.metadata])
+        if self.bundle.get("GPU"):
+            visible = shared_visible_devices(self.metadata)
+            self.get(
+                [
+                    actor.set_env_vars.remote({"CUDA_VISIBLE_DEVICES": devices})
+                    for actor, (devices, _) in zip(self.actors, visible, strict=True)
+                ]
+            )
+            self.device_indices = [index for _, index in visible]
+        else:
+            self.device_indices = [-1] * self.num_workers
+
+    # -------------------------------------------------------------- execute
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def execute_async(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Start ``fn(*args, **kwargs)`` on every worker; return the object refs."""
+        return [a.execute.remote(fn, *args, **kwargs) for a in self.actors]
+
+    def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn`` on every worker and return the results in rank order."""
+        return self.get(self.execute_async(fn, *args, **kwargs))
+
+    def execute_single_async(
+        self, rank: int, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """Start ``fn`` on the worker of world rank ``rank``; return its object ref."""
+        return self.actors[rank].execute.remote(fn, *args, **kwargs)
+
+    def execute_single(self, rank: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` on the worker of world rank ``rank`` and return its result."""
+        return self.get([self.execute_single_async(rank, fn, *args, **kwargs)], ranks=[rank])[0]
+
+    def monitor(self, method: str, timeout_s: float = 10.0) -> list[Any]:
+        """Call a monitor method (``progress``, ``stacks``, ``ping``) on every worker.
+
+        Answered from the actors' monitor threads, so it works while training runs or
+        is stuck. A worker that does not answer in time yields its exception instead.
+        """
+        refs = [
+            getattr(a, method).options(concurrency_group=_MONITOR).remote() for a in self.actors
+        ]
+        results: list[Any] = []
+        deadline = time.monotonic() + timeout_s
+        for ref in refs:
+            try:
+                results.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+            except Exception as exc:  # noqa: BLE001 - reported, not raised
+                results.append(exc)
+        return results
+
+    def monitor_single_async(self, rank: int, method: str) -> Any:
+        """Start a monitor method on one worker; return its object ref."""
+        actor = self.actors[rank]
+        return getattr(actor, method).options(concurrency_group=_MONITOR).remote()
+
+    def get(
+        self,
+        refs: Sequence[Any],
+        ranks: Sequence[int] | None = None,
+        on_poll: Callable[[], None] | None = None,
+        poll_interval_s: float = 0.5,
+    ) -> list[Any]:
+        """Wait for ``refs`` and return their values, failing fast on the first error.
+
+        The first worker to fail is reported with its rank and remote traceback at
+        once, without waiting for the others (which may be blocked in a collective
+        that can no longer complete). ``on_poll`` is called every ``poll_interval_s``
+        while waiting; an exception it raises aborts the wait.
+        """
+        ranks = list(range(len(refs))) if ranks is None else list(ranks)
+        rank_of = {ref: rank for ref, rank in zip(refs, ranks, strict=True)}
+        pending = list(refs)
+        while pending:
+            timeout = poll_interval_s if on_poll is not None else None
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except (RayTaskError, RayActorError) as exc:
+                    rank = rank_of[ref]
+                    meta = self.metadata[rank] if rank < len(self.metadata) else None
+                    raise _describe_failure(exc, rank, meta) from None
+            if pending and on_poll is not None:
+                on_poll()
+        return ray.get(list(refs))
+
+    # ------------------------------------------------------------- shutdown
+    def shutdown(self) -> None:
+        """Kill every actor and release the placement group. Safe to call twice."""
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead is fine
+                pass
+        self.actors = []
+        if self._placement_group is not None:
+            try:
+                remove_placement_group(self._placement_group)
+            except Exception:  # noqa: BLE001
+                pass
+            self._placement_group = None
+
+
+def _fmt(resources: dict[str, float]) -> str:
+    keep = {
+        k: v
+        for k, v in resources.items()
+        if k in ("CPU", "GPU", "memory") or not k.startswith("node:")
+    }
+    keep.pop("object_store_memory", None)
+    if "memory" in keep:
+        keep["memory"] = f"{keep['memory'] / 2**30:.1f} GiB"
+    return ", ".join(
+        f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(keep.items())
+    )

@@ -1,0 +1,1 @@
+"""What the user touches on the driver: trainers, configs, the training operator."""

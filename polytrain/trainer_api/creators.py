@@ -1,0 +1,174 @@
+"""Validate the creator functions when the trainer is built, and what they return on the workers."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from polytrain.errors import CreatorError
+
+_SIGNATURES = {
+    "model_creator": "model_creator(config) -> nn.Module (or a tuple of them)",
+    "data_creator": "data_creator(config) -> train DataLoader, or (train_loader, val_loader)",
+    "optimizer_creator": "optimizer_creator(model, config) -> torch.optim.Optimizer (or a tuple)",
+    "loss_creator": "loss_creator: a loss class such as torch.nn.CrossEntropyLoss, or loss_creator(config) -> callable",
+    "scheduler_creator": "scheduler_creator(optimizer, config) -> LR scheduler (or a tuple)",
+}
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{type(value).__name__} ({text})"
+
+
+def check_callable(name: str, fn: Any, num_args: int, required: bool = True) -> None:
+    """Raise a :class:`CreatorError` unless ``fn`` can be called with ``num_args`` positionals."""
+    if fn is None:
+        if required:
+            raise CreatorError(f"{name} is required: {_SIGNATURES.get(name, name)}.")
+        return
+    if not callable(fn):
+        raise CreatorError(
+            f"{name} must be callable: {_SIGNATURES.get(name, name)}; got {_describe(fn)}."
+        )
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins and C extensions: nothing to check before the call
+    try:
+        signature.bind(*([None] * num_args))
+    except TypeError as exc:
+        raise CreatorError(
+            f"{name} {getattr(fn, '__qualname__', fn)!s}{signature} cannot be called with "
+            f"{num_args} argument(s) ({exc}). Expected {_SIGNATURES.get(name, name)}."
+        ) from None
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def check_return(
+    name: str, value: Any, expected: type | tuple[type, ...], what: str
+) -> tuple[Any, ...]:
+    """Validate a creator's return value; always returns a tuple of the created objects."""
+    items = _as_tuple(value)
+    if not items or not all(isinstance(item, expected) for item in items):
+        raise CreatorError(
+            f"{name} returned {_describe(value)}; expected {what}. "
+            f"Signature: {_SIGNATURES.get(name, name)}."
+        )
+    return items
+
+
+@dataclass
+class TorchCreators:
+    """The user's creator functions for a :class:`~polytrain.TorchTrainer`.
+
+    Validated on construction (callable, takes the right arguments); the ``create_*``
+    methods run on the workers and validate what each creator returns.
+    """
+
+    model_creator: Callable[[dict], Any]
+    data_creator: Callable[[dict], Any]
+    optimizer_creator: Callable[[Any, dict], Any]
+    loss_creator: Any = None
+    scheduler_creator: Callable[[Any, dict], Any] | None = None
+
+    def __post_init__(self) -> None:
+        check_callable("model_creator", self.model_creator, 1)
+        check_callable("data_creator", self.data_creator, 1)
+        check_callable("optimizer_creator", self.optimizer_creator, 2)
+        check_callable("scheduler_creator", self.scheduler_creator, 2, required=False)
+        if self.loss_creator is not None and not (
+            inspect.isclass(self.loss_creator) or callable(self.loss_creator)
+        ):
+            raise CreatorError(
+                f"loss_creator must be a loss class or a callable; got "
+                f"{_describe(self.loss_creator)}. {_SIGNATURES['loss_creator']}."
+            )
+        if self.loss_creator is not None and not inspect.isclass(self.loss_creator):
+            check_callable("loss_creator", self.loss_creator, 1)
+
+    def create_models(self, config: dict) -> tuple[torch.nn.Module, ...]:
+        """Call ``model_creator`` and check it built modules."""
+        return check_return(
+            "model_creator",
+            self.model_creator(config),
+            torch.nn.Module,
+            "a torch.nn.Module or a tuple of them",
+        )
+
+    def create_optimizers(
+        self, models: tuple[torch.nn.Module, ...], config: dict
+    ) -> tuple[Any, ...]:
+        """Call ``optimizer_creator`` with the model (or the tuple of models)."""
+        arg = models[0] if len(models) == 1 else models
+        return check_return(
+            "optimizer_creator",
+            self.optimizer_creator(arg, config),
+            torch.optim.Optimizer,
+            "a torch.optim.Optimizer or a tuple of them",
+        )
+
+    def create_schedulers(self, optimizers: tuple[Any, ...], config: dict) -> tuple[Any, ...]:
+        """Call ``scheduler_creator`` (if any) with the optimizer (or the tuple of optimizers)."""
+        if self.scheduler_creator is None:
+            return ()
+        arg = optimizers[0] if len(optimizers) == 1 else optimizers
+        value = self.scheduler_creator(arg, config)
+        schedulers = _as_tuple(value)
+        if not schedulers or not all(
+            hasattr(s, "step") and hasattr(s, "state_dict") for s in schedulers
+        ):
+            raise CreatorError(
+                f"scheduler_creator returned {_describe(value)}; expected a learning-rate "
+                f"scheduler (an object with step() and state_dict(), e.g. "
+                f"torch.optim.lr_scheduler.StepLR) or a tuple of them."
+            )
+        return schedulers
+
+    def create_loss(self, config: dict) -> Callable | None:
+        """Instantiate the loss class, or call the loss creator with ``config``."""
+        if self.loss_creator is None:
+            return None
+        if inspect.isclass(self.loss_creator):
+            loss = self.loss_creator()
+        else:
+            loss = self.loss_creator(config)
+        if not callable(loss):
+            raise CreatorError(
+                f"loss_creator returned {_describe(loss)}; expected a callable loss "
+                f"(output, target) -> tensor. {_SIGNATURES['loss_creator']}."
+            )
+        return loss
+
+    def create_data(self, config: dict) -> tuple[Any, Any]:
+        """Call ``data_creator``; returns ``(train_loader, val_loader or None)``."""
+        value = self.data_creator(config)
+        if isinstance(value, (tuple, list)) and len(value) == 2:
+            train, val = value
+        elif isinstance(value, (tuple, list)):
+            raise CreatorError(
+                f"data_creator returned a {type(value).__name__} of {len(value)} items; expected "
+                f"a train DataLoader or a (train_loader, val_loader) pair."
+            )
+        else:
+            train, val = value, None
+        for label, loader in (("train loader", train), ("validation loader", val)):
+            if loader is None and label == "validation loader":
+                continue
+            if not isinstance(loader, Iterable) or isinstance(
+                loader, (str, bytes, dict, torch.Tensor)
+            ):
+                raise CreatorError(
+                    f"data_creator returned {_describe(loader)} as its {label}; expected a "
+                    f"torch.utils.data.DataLoader (or another iterable of batches)."
+                )
+        return train, val

@@ -1,0 +1,60 @@
+"""Reduce the per-worker metrics of an epoch into one dict."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+#: Metrics that are summed over workers rather than averaged.
+SUMMED = frozenset({"num_samples"})
+#: Metrics where the slowest worker is the answer.
+MAXIMUM = frozenset({"epoch_time_s", "time_s", "num_steps"})
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def reduce_worker_stats(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Combine the metric dicts of all workers (rank order).
+
+    Numbers are averaged weighted by each worker's ``num_samples`` (equal weights
+    when a worker reports none), ``num_samples`` is summed, times and step counts
+    take the maximum, and anything else is rank 0's value. ``samples_per_s`` is
+    recomputed from the totals.
+    """
+    stats = [s for s in stats if s is not None]
+    if not stats:
+        return {}
+    weights = [float(s.get("num_samples", 1) or 0) for s in stats]
+    total_weight = sum(weights)
+    keys: list[str] = []
+    for s in stats:
+        keys.extend(k for k in s if k not in keys)
+    reduced: dict[str, Any] = {}
+    for key in keys:
+        present = [(s[key], w) for s, w in zip(stats, weights, strict=True) if key in s]
+        values = [v for v, _ in present]
+        if not all(_is_number(v) for v in values):
+            reduced[key] = next(s[key] for s in stats if key in s)
+        elif key in SUMMED:
+            reduced[key] = sum(values)
+        elif key in MAXIMUM:
+            reduced[key] = max(values)
+        else:
+            weight_sum = sum(w for _, w in present)
+            if weight_sum > 0 and total_weight > 0:
+                reduced[key] = sum(v * w for v, w in present) / weight_sum
+            else:
+                reduced[key] = sum(values) / len(values)
+    epoch_time = reduced.get("epoch_time_s")
+    if "num_samples" in reduced and _is_number(epoch_time) and epoch_time > 0:
+        reduced["samples_per_s"] = reduced["num_samples"] / epoch_time
+    return reduced
+
+
+def is_finite_number(value: Any) -> bool:
+    """True for a real number that is neither NaN nor infinite."""
+    return _is_number(value) and math.isfinite(value)

@@ -1,0 +1,276 @@
+"""TorchTrainer: train PyTorch creators on any torch backend with one flag."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from polytrain.backends.base import Backend
+from polytrain.errors import ConfigError
+from polytrain.launchers.ranks import split_batch_size
+from polytrain.trainer_api import checkpoint as ckpt
+from polytrain.trainer_api import torch_worker
+from polytrain.trainer_api.config import (
+    SCHEDULER_STEP_FREQS,
+    CheckpointConfig,
+    FailureConfig,
+    ScalingConfig,
+    merge_flat_options,
+)
+from polytrain.trainer_api.creators import TorchCreators
+from polytrain.trainer_api.operator import TrainingOperator
+from polytrain.trainer_api.results import reduce_worker_stats
+from polytrain.trainer_api.trainer import BaseTrainer
+
+logger = logging.getLogger(__name__)
+
+
+class TorchTrainer(BaseTrainer):
+    """Train a PyTorch model on Ray workers with any torch backend.
+
+    Example:
+        >>> trainer = TorchTrainer(
+        ...     model_creator=lambda config: torch.nn.Linear(64, 10),
+        ...     data_creator=digits_creator,
+        ...     optimizer_creator=lambda model, config: torch.optim.SGD(model.parameters(), lr=config["lr"]),
+        ...     loss_creator=torch.nn.CrossEntropyLoss,
+        ...     config={"lr": 0.1, "batch_size": 64},
+        ...     num_workers=2, backend="ddp")
+        >>> stats = trainer.train()
+        >>> trainer.save("ckpt.pt"); trainer.shutdown()
+
+    Args:
+        model_creator: ``config -> nn.Module`` (or a tuple of modules).
+        data_creator: ``config -> train_loader`` or ``(train_loader, val_loader)``. It is
+            called on every worker with ``config["batch_size"]`` set to the per-worker
+            batch: the global ``batch_size // num_workers`` (the remainder is dropped,
+            with a warning). A ``DistributedSampler`` is added to the loaders unless
+            ``add_dist_sampler=False``.
+        optimizer_creator: ``(model, config) -> Optimizer`` (or a tuple); gets the tuple
+            of models when ``model_creator`` returns several.
+        loss_creator: a loss class (``torch.nn.CrossEntropyLoss``) or ``config -> callable``.
+        scheduler_creator: ``(optimizer, config) -> scheduler``, optional.
+        training_operator_cls: a :class:`TrainingOperator` subclass for custom steps.
+        config: the user's hyperparameters; ``batch_size`` is the global batch.
+        num_workers: shortcut for ``scaling_config.num_workers`` (0 = local mode).
+        use_gpu: shortcut for ``scaling_config.use_gpu``.
+        num_cpus_per_worker: shortcut for ``scaling_config.num_cpus_per_worker``.
+        backend: a backend name or alias (see :func:`polytrain.available_backends`) or a
+            :class:`~polytrain.backends.Backend` instance.
+        backend_config: the backend's typed config, or a dict of its fields.
+        use_fp16: mixed precision (fp16 + GradScaler on GPU, bf16 autocast on CPU).
+        use_tqdm: show rank 0's progress as a bar on the driver.
+        scheduler_step_freq: "batch", "epoch" or "manual" (your operator steps it).
+        add_dist_sampler: give the loaders a distributed sampler.
+        check_finite_loss: raise at the first NaN/inf loss, naming step and rank.
+        scaling_config: :class:`ScalingConfig` (or dict): workers, resources, placement.
+        failure_config: :class:`FailureConfig` (or dict): retries, hang detection.
+        checkpoint_config: :class:`CheckpointConfig` (or dict): where checkpoints go.
+    """
+
+    framework = "torch"
+
+    def __init__(
+        self,
+        *,
+        model_creator: Callable[[dict], Any],
+        data_creator: Callable[[dict], Any],
+        optimizer_creator: Callable[[Any, dict], Any],
+        loss_creator: Any = None,
+        scheduler_creator: Callable[[Any, dict], Any] | None = None,
+        training_operator_cls: type[TrainingOperator] | None = None,
+        config: dict[str, Any] | None = None,
+        num_workers: int | None = None,
+        use_gpu: bool | None = None,
+        num_cpus_per_worker: float | None = None,
+        backend: str | Backend = "ddp",
+        backend_config: Any = None,
+        use_fp16: bool = False,
+        use_tqdm: bool = False,
+        scheduler_step_freq: str = "batch",
+        add_dist_sampler: bool = True,
+        check_finite_loss: bool = True,
+        scaling_config: ScalingConfig | dict | None = None,
+        failure_config: FailureConfig | dict | None = None,
+        checkpoint_config: CheckpointConfig | dict | None = None,
+    ) -> None:
+        self._group = None  # so shutdown()/__del__ work if validation below fails
+        self._shut_down = False
+        scaling = merge_flat_options(
+            ScalingConfig,
+            scaling_config,
+            "scaling_config",
+            num_workers=num_workers,
+            use_gpu=use_gpu,
+            num_cpus_per_worker=num_cpus_per_worker,
+        )
+        if scheduler_step_freq not in SCHEDULER_STEP_FREQS:
+            raise ConfigError(
+                f"scheduler_step_freq={scheduler_step_freq!r} is not supported. Must be one of "
+                f"{SCHEDULER_STEP_FREQS}."
+            )
+        if config is not None and not isinstance(config, dict):
+            raise ConfigError(f"config must be a dict; got {type(config).__name__}: {config!r}.")
+        operator_cls = training_operator_cls or TrainingOperator
+        if not (isinstance(operator_cls, type) and issubclass(operator_cls, TrainingOperator)):
+            raise ConfigError(
+                f"training_operator_cls must be a subclass of polytrain.TrainingOperator; got "
+                f"{operator_cls!r}."
+            )
+        self.creators = TorchCreators(
+            model_creator, data_creator, optimizer_creator, loss_creator, scheduler_creator
+        )
+        if loss_creator is None and operator_cls.train_batch is TrainingOperator.train_batch:
+            raise ConfigError(
+                "loss_creator is required by the default training step; pass one (e.g. "
+                "torch.nn.CrossEntropyLoss) or a training_operator_cls that overrides train_batch."
+            )
+        self.config = dict(config or {})
+        self.worker_config = self._per_worker_config(self.config, scaling.num_workers)
+        self.operator_cls = operator_cls
+        self.scheduler_step_freq = scheduler_step_freq
+        self.add_dist_sampler = add_dist_sampler
+        self.check_finite_loss = check_finite_loss
+        super().__init__(
+            backend,
+            backend_config,
+            scaling,
+            merge_flat_options(FailureConfig, failure_config, "failure_config"),
+            merge_flat_options(CheckpointConfig, checkpoint_config, "checkpoint_config"),
+            use_fp16=use_fp16,
+            use_tqdm=use_tqdm,
+        )
+        self._start()
+
+    @staticmethod
+    def _per_worker_config(config: dict[str, Any], num_workers: int) -> dict[str, Any]:
+        worker_config = dict(config)
+        if "batch_size" in config:
+            global_batch = config["batch_size"]
+            if (
+                isinstance(global_batch, bool)
+                or not isinstance(global_batch, int)
+                or global_batch < 1
+            ):
+                raise ConfigError(
+                    f"config['batch_size'] must be a positive int (the global batch); got "
+                    f"{global_batch!r}."
+                )
+            try:
+                per_worker = split_batch_size(global_batch, num_workers)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            if num_workers > 1 and global_batch % num_workers:
+                warnings.warn(
+                    f"batch_size={global_batch} does not divide by num_workers={num_workers}: "
+                    f"each worker uses {per_worker}, so the effective global batch is "
+                    f"{per_worker * num_workers}.",
+                    stacklevel=3,
+                )
+            worker_config["batch_size"] = per_worker
+        return worker_config
+
+    # ------------------------------------------------------------- workers
+    def _setup_workers(self, group: Any) -> None:
+        setup = torch_worker.WorkerSetup(
+            creators=self.creators,
+            operator_cls=self.operator_cls,
+            backend=self.backend,
+            config=self.worker_config,
+            context=self._context_template(),
+            scheduler_step_freq=self.scheduler_step_freq,
+            add_dist_sampler=self.add_dist_sampler,
+            check_finite_loss=self.check_finite_loss,
+        )
+        refs = [
+            group.execute_single_async(rank, torch_worker.setup_worker, setup, info, device)
+            for rank, (info, device) in enumerate(
+                zip(group.rank_infos, group.device_indices, strict=True)
+            )
+        ]
+        group.get(refs)
+
+    # ------------------------------------------------------------ training
+    def train(
+        self, num_steps: int | None = None, info: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Train one epoch (or ``num_steps`` batches) on every worker.
+
+        Returns:
+            Metrics reduced over workers, weighted by sample count: ``epoch``, ``loss``,
+            ``num_samples``, ``num_steps``, ``samples_per_s``, ``epoch_time_s`` and
+            whatever a custom operator's ``train_batch`` returns.
+        """
+        self._ensure_open()
+        epoch = self.epoch
+        results = self._run(
+            torch_worker.train_epoch, epoch, num_steps, info, progress=f"epoch {epoch}"
+        )
+        self.epoch += 1
+        stats = reduce_worker_stats(results)
+        stats["epoch"] = epoch
+        return stats
+
+    def validate(
+        self, num_steps: int | None = None, info: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Evaluate on the validation loader; returns ``val_loss`` (and ``val_accuracy``)."""
+        results = self._run(torch_worker.validate, num_steps, info)
+        return reduce_worker_stats(results)
+
+    # --------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The consolidated training state as a portable checkpoint dict."""
+        results = self._run(torch_worker.get_state, self.epoch)
+        state = results[0]
+        return {
+            "format": ckpt.FORMAT,
+            "version": ckpt.VERSION,
+            "framework": "torch",
+            "backend": self.backend.name,
+            "world_size": self.scaling.world_size,
+            "epoch": self.epoch,
+            **state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a state from :meth:`state_dict` (any backend, any world size) on every worker."""
+        ckpt.validate_checkpoint(state, "state", framework="torch")
+        payload = {
+            k: state[k]
+            for k in ("models", "optimizers", "schedulers", "scaler", "operator", "global_step")
+            if k in state
+        }
+        if not self.scaling.local_mode:
+            import ray
+
+            payload = ray.put(payload)  # one copy in the object store, shared by all workers
+        self._run(torch_worker.load_state, payload)
+        self.epoch = int(state["epoch"])
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write a consolidated checkpoint to ``path`` atomically; returns the path."""
+        return str(ckpt.save_checkpoint(self.state_dict(), path))
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Load a checkpoint written by :meth:`save` under any backend or world size.
+
+        The file is read with ``weights_only=True`` and validated before anything
+        changes: a bad file raises :class:`~polytrain.errors.CheckpointError`.
+        """
+        self._ensure_open()
+        self.load_state_dict(ckpt.load_checkpoint(path, framework="torch"))
+
+    def get_model(self) -> torch.nn.Module | tuple[torch.nn.Module, ...]:
+        """The trained model(s) as plain modules on the driver's CPU."""
+        state = self.state_dict()
+        models = self.creators.create_models(self.config)
+        for model, model_state in zip(models, state["models"], strict=True):
+            model.load_state_dict(model_state)
+            model.cpu()
+        return models[0] if len(models) == 1 else models
