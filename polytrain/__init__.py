@@ -13,6 +13,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "TorchTrainer": "polytrain.trainer_api.torch_trainer",
+    "TFTrainer": "polytrain.trainer_api.tf_trainer",
+    "load_config": "polytrain.trainer_api.run_config",
     "TrainingOperator": "polytrain.trainer_api.operator",
     "ScalingConfig": "polytrain.trainer_api.config",
     "FailureConfig": "polytrain.trainer_api.config",

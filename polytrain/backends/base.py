@@ -12,11 +12,14 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -200,8 +203,7 @@ class Backend(abc.ABC):
         """Worker: load a consolidated state (as :meth:`full_state_dict` returns) on every rank."""
         for model, model_state in zip(components.models, state["models"], strict=True):
             self.unwrap_model(model).load_state_dict(model_state)
-        for optimizer, opt_state in zip(components.optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(opt_state)
+        load_optimizer_states(components.optimizers, state.get("optimizers"))
 
     def sample_distribution(self, ctx: WorkerContext) -> tuple[int, int]:
         """Worker: ``(num_replicas, rank)`` for the distributed samplers of the loaders."""
@@ -215,3 +217,22 @@ class Backend(abc.ABC):
                 yield
         else:
             yield
+
+
+def load_optimizer_states(optimizers: list[Any], states: list[Any] | None) -> None:
+    """Load torch-format optimizer states; a checkpoint without them keeps fresh optimizers.
+
+    Backends whose optimizer state has no portable form (they say so when saving)
+    write ``None`` entries: the weights still load, and training resumes with a
+    freshly initialised optimizer state.
+    """
+    if not states:
+        logger.warning("The checkpoint has no optimizer state; optimizers start fresh.")
+        return
+    for optimizer, state in zip(optimizers, states, strict=True):
+        if state is None:
+            logger.warning(
+                "No portable state for optimizer %s; it starts fresh.", type(optimizer).__name__
+            )
+            continue
+        optimizer.load_state_dict(state)

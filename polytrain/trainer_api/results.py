@@ -10,7 +10,7 @@ from typing import Any
 #: Metrics that are summed over workers rather than averaged.
 SUMMED = frozenset({"num_samples"})
 #: Metrics where the slowest worker is the answer.
-MAXIMUM = frozenset({"epoch_time_s", "time_s", "num_steps"})
+MAXIMUM = frozenset({"epoch_time_s", "time_s", "num_steps", "peak_memory_mb"})
 
 
 def _is_number(value: Any) -> bool:

@@ -266,6 +266,14 @@ class TorchTrainer(BaseTrainer):
         self._ensure_open()
         self.load_state_dict(ckpt.load_checkpoint(path, framework="torch"))
 
+    def apply_all_workers(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Run ``fn(*args)`` in every worker process; returns the results in rank order."""
+        return self._run(fn, *args)
+
+    def apply_all_operators(self, fn: Callable[[TrainingOperator], Any]) -> list[Any]:
+        """Run ``fn(operator)`` on every worker's :class:`TrainingOperator`; results in rank order."""
+        return self._run(torch_worker.apply_to_operator, fn)
+
     def get_model(self) -> torch.nn.Module | tuple[torch.nn.Module, ...]:
         """The trained model(s) as plain modules on the driver's CPU."""
         state = self.state_dict()

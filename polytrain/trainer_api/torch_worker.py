@@ -126,6 +126,7 @@ def train_epoch(epoch: int, num_steps: int | None, info: dict[str, Any] | None) 
             loader, {**(info or {}), "epoch": epoch, "num_steps": num_steps}
         )
     stats.setdefault("epoch", epoch)
+    stats["peak_memory_mb"] = peak_memory_mb(operator.device)
     return stats
 
 
@@ -172,6 +173,22 @@ def load_state(state: dict[str, Any]) -> None:
         components.scaler.load_state_dict(state["scaler"])
     operator.load_state_dict(state.get("operator") or {})
     operator.global_step = int(state.get("global_step", 0))
+
+
+def apply_to_operator(fn: Any) -> Any:
+    """Run ``fn(operator)`` on this worker's operator."""
+    operator = _operator()
+    with operator.backend.worker_scope(operator.context):
+        return fn(operator)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """This process's peak memory: resident set size on CPU, allocated memory on GPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def teardown_worker() -> None:

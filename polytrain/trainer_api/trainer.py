@@ -100,6 +100,23 @@ class BaseTrainer:
         )
         self.epoch = 0
 
+    @classmethod
+    def from_config(cls, path: str | Any, **overrides: Any) -> BaseTrainer:
+        """Build a trainer from a YAML run config (see :mod:`polytrain.trainer_api.run_config`).
+
+        ``overrides`` use dotted keys for nested values, e.g. ``{"config.lr": 0.1}``.
+        """
+        from polytrain.trainer_api.run_config import trainer_from_config
+
+        return trainer_from_config(path, trainer_cls=cls, **overrides)
+
+    @classmethod
+    def as_trainable(cls, **trainer_kwargs: Any) -> Any:
+        """A Ray Tune trainable that builds this trainer for every trial (see :mod:`polytrain.tune`)."""
+        from polytrain.tune import make_trainable
+
+        return make_trainable(cls, **trainer_kwargs)
+
     # ------------------------------------------------------------- lifecycle
     @property
     def backend_name(self) -> str:
