@@ -127,6 +127,7 @@ class WorkerGroup:
         self.metadata: list[WorkerMetadata] = []
         self.rank_infos: list[RankInfo] = []
         self._placement_group = None
+        self._owns_placement_group = True
 
     # ------------------------------------------------------------------ start
     def _requested(self) -> str:
@@ -150,13 +151,24 @@ class WorkerGroup:
     def start(self) -> None:
         """Place and start the actors, then learn where each runs.
 
+        Inside a placement group that reserves a bundle per worker after its own
+        (a Ray Tune trial with the trainable's PlacementGroupFactory), the workers
+        go into bundles 1..n of that group instead of a new one, which could never
+        be placed while the trial holds the resources.
+
         Raises:
             InsufficientResourcesError: the workers cannot be placed within ``start_timeout_s``.
         """
-        self._check_feasible()
-        pg = placement_group(
-            [dict(self.bundle) for _ in range(self.num_workers)], strategy=self.placement_strategy
-        )
+        current = ray.util.get_current_placement_group()
+        if current is not None and len(current.bundle_specs) > self.num_workers:
+            pg, first_bundle, self._owns_placement_group = current, 1, False
+        else:
+            self._check_feasible()
+            pg = placement_group(
+                [dict(self.bundle) for _ in range(self.num_workers)],
+                strategy=self.placement_strategy,
+            )
+            first_bundle, self._owns_placement_group = 0, True
         self._placement_group = pg
         ready, _ = ray.wait([pg.ready()], timeout=self.start_timeout_s)
         if not ready:
@@ -177,7 +189,7 @@ class WorkerGroup:
                 num_gpus=self.bundle.get("GPU", 0),
                 resources={k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=i
+                    placement_group=pg, placement_group_bundle_index=first_bundle + i
                 ),
                 max_restarts=0,
             ).remote(self.env_vars, niceness)
@@ -294,12 +306,12 @@ class WorkerGroup:
             except Exception:  # noqa: BLE001 - already dead is fine
                 pass
         self.actors = []
-        if self._placement_group is not None:
+        if self._placement_group is not None and self._owns_placement_group:
             try:
                 remove_placement_group(self._placement_group)
             except Exception:  # noqa: BLE001
                 pass
-            self._placement_group = None
+        self._placement_group = None
 
 
 def _fmt(resources: dict[str, float]) -> str:
