@@ -25,6 +25,7 @@ from polytrain.launchers.ranks import WorkerMetadata
 #: Per-process state shared by the functions a worker executes (e.g. the operator).
 WORKER_STATE: dict[str, Any] = {}
 
+_training_thread: int | None = None  # ident of the thread that runs ``execute``
 _progress_lock = threading.Lock()
 _progress: dict[str, Any] = {"phase": "idle", "step": 0, "total": None, "updated": time.time()}
 
@@ -56,15 +57,19 @@ def find_free_port() -> int:
 
 
 def format_all_stacks() -> str:
-    """Every Python thread's stack in this process, training thread first."""
+    """Every Python thread's stack in this process, the training thread first.
+
+    Threads are separated by a blank line; each starts with a ``Thread NAME:`` line.
+    """
     frames = sys._current_frames()
     names = {t.ident: t.name for t in threading.enumerate()}
     out = io.StringIO()
-    for ident, frame in sorted(frames.items(), key=lambda kv: names.get(kv[0], "") != "MainThread"):
+    for ident, frame in sorted(frames.items(), key=lambda kv: kv[0] != _training_thread):
         if ident == threading.get_ident():
             continue  # the thread answering this request
-        out.write(f"Thread {names.get(ident, ident)}:\n")
-        out.write("".join(traceback.format_stack(frame)))
+        label = "training thread" if ident == _training_thread else names.get(ident, ident)
+        out.write(f"Thread {label}:\n")
+        out.write("".join(traceback.format_stack(frame)).replace("\n\n", "\n"))
         out.write("\n")
     return out.getvalue()
 
@@ -85,6 +90,8 @@ class Worker:
 
     def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` in this process and return its result."""
+        global _training_thread
+        _training_thread = threading.get_ident()
         return fn(*args, **kwargs)
 
     def metadata(self) -> WorkerMetadata:

@@ -290,12 +290,33 @@ class WorkerGroup:
                 try:
                     ray.get(ref)
                 except (RayTaskError, RayActorError) as exc:
-                    rank = rank_of[ref]
-                    meta = self.metadata[rank] if rank < len(self.metadata) else None
-                    raise _describe_failure(exc, rank, meta) from None
+                    raise self._classify_failure(exc, rank_of[ref]) from None
             if pending and on_poll is not None:
                 on_poll()
         return ray.get(list(refs))
+
+    def _classify_failure(self, exc: BaseException, rank: int) -> WorkerError:
+        """Turn a failed call into a WorkerError, blaming a dead worker if there is one.
+
+        When a worker process dies, its peers usually fail first with a collective
+        error ("connection closed by peer"); that is a symptom. A quick liveness
+        probe finds the worker that really died, so the failure is reported (and
+        retried) as a lost worker rather than as an application error.
+        """
+        error = _describe_failure(exc, rank, self._meta(rank))
+        if isinstance(error, WorkerDiedError):
+            return error
+        for other, answer in enumerate(self.monitor("ping", timeout_s=5.0)):
+            if isinstance(answer, RayActorError):
+                died = _describe_failure(answer, other, self._meta(other))
+                died.args = (
+                    f"{died.args[0]}\n(rank {rank} then failed with: {error.args[0][:2000]})",
+                )
+                return died
+        return error
+
+    def _meta(self, rank: int) -> WorkerMetadata | None:
+        return self.metadata[rank] if 0 <= rank < len(self.metadata) else None
 
     # ------------------------------------------------------------- shutdown
     def shutdown(self) -> None:

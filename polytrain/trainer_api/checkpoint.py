@@ -119,3 +119,28 @@ def validate_checkpoint(state: Any, source: str = "state", framework: str | None
             f"Checkpoint {source!r} was written by a {state['framework']} trainer and cannot be "
             f"loaded into a {framework} trainer."
         )
+
+
+def epoch_checkpoint_path(directory: str | os.PathLike, epoch: int) -> Path:
+    """The file name of the checkpoint written at the end of ``epoch`` in ``directory``."""
+    return Path(directory).expanduser() / f"checkpoint_epoch_{epoch:06d}.pt"
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """The epoch checkpoints in ``directory``, oldest first."""
+    folder = Path(directory).expanduser()
+    if not folder.is_dir():
+        return []
+    return sorted(folder.glob("checkpoint_epoch_*.pt"))
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The newest epoch checkpoint in ``directory`` (to resume a run), or None."""
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def prune_checkpoints(directory: str | os.PathLike, num_to_keep: int) -> None:
+    """Delete all but the newest ``num_to_keep`` epoch checkpoints."""
+    for old in list_checkpoints(directory)[:-num_to_keep]:
+        old.unlink(missing_ok=True)

@@ -209,11 +209,22 @@ class TorchTrainer(BaseTrainer):
         self._ensure_open()
         epoch = self.epoch
         results = self._run(
-            torch_worker.train_epoch, epoch, num_steps, info, progress=f"epoch {epoch}"
+            torch_worker.train_epoch,
+            epoch,
+            num_steps,
+            info,
+            self._keeps_state,
+            progress=f"epoch {epoch}",
         )
-        self.epoch += 1
+        state = results[0].pop("_state", None)
+        self.epoch = epoch + 1
         stats = reduce_worker_stats(results)
         stats["epoch"] = epoch
+        stats["num_restarts"] = self.num_restarts
+        if state is not None:
+            path = self._remember(self._wrap_state(state))
+            if path is not None:
+                stats["checkpoint_path"] = path
         return stats
 
     def validate(
@@ -226,8 +237,9 @@ class TorchTrainer(BaseTrainer):
     # --------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The consolidated training state as a portable checkpoint dict."""
-        results = self._run(torch_worker.get_state, self.epoch)
-        state = results[0]
+        return self._wrap_state(self._run(torch_worker.get_state, self.epoch)[0])
+
+    def _wrap_state(self, state: dict[str, Any]) -> dict[str, Any]:
         return {
             "format": ckpt.FORMAT,
             "version": ckpt.VERSION,
@@ -252,6 +264,8 @@ class TorchTrainer(BaseTrainer):
             payload = ray.put(payload)  # one copy in the object store, shared by all workers
         self._run(torch_worker.load_state, payload)
         self.epoch = int(state["epoch"])
+        if self._keeps_state:
+            self._latest_state = state  # a restart must not fall back behind a loaded checkpoint
 
     def save(self, path: str | os.PathLike) -> str:
         """Write a consolidated checkpoint to ``path`` atomically; returns the path."""

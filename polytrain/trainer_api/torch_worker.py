@@ -116,8 +116,15 @@ def _operator() -> TrainingOperator:
         ) from None
 
 
-def train_epoch(epoch: int, num_steps: int | None, info: dict[str, Any] | None) -> dict[str, Any]:
-    """One epoch (or ``num_steps`` batches) of training on this worker."""
+def train_epoch(
+    epoch: int, num_steps: int | None, info: dict[str, Any] | None, capture_state: bool = False
+) -> dict[str, Any]:
+    """One epoch (or ``num_steps`` batches) of training on this worker.
+
+    With ``capture_state`` every rank takes part in consolidating the training
+    state and rank 0 returns it under ``"_state"``: the driver's epoch-end
+    checkpoint arrives in the same round trip as the metrics.
+    """
     operator = _operator()
     loader = operator.train_loader
     set_sampler_epoch(loader, epoch)
@@ -127,6 +134,10 @@ def train_epoch(epoch: int, num_steps: int | None, info: dict[str, Any] | None) 
         )
     stats.setdefault("epoch", epoch)
     stats["peak_memory_mb"] = peak_memory_mb(operator.device)
+    if capture_state:
+        state = get_state(epoch + 1)
+        if state is not None:
+            stats["_state"] = state
     return stats
 
 

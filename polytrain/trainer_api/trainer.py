@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 from polytrain.backends.base import Backend, WorkerContext
 from polytrain.backends.registry import get_backend
-from polytrain.errors import TrainerShutdownError, WorkerError
+from polytrain.errors import TrainerShutdownError, WorkerDiedError, WorkerHangError
 from polytrain.launchers.local import LocalWorkerGroup
+from polytrain.trainer_api import checkpoint as ckpt
 from polytrain.trainer_api.config import CheckpointConfig, FailureConfig, ScalingConfig
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,90 @@ class _ProgressBar:
         self._bar.close()
 
 
+class _HangWatchdog:
+    """Raises :class:`WorkerHangError` when no worker reports progress for ``timeout_s``.
+
+    Progress is read through the workers' monitor channel, which answers from its
+    own thread while the training thread is blocked, so even a worker stuck in a
+    collective can say where it is stuck.
+    """
+
+    def __init__(self, group: Any, timeout_s: float) -> None:
+        self._group = group
+        self._timeout_s = timeout_s
+        self._pending: list[Any] | None = None
+        self._last: list[Any] = [None] * len(group)
+        self._last_change = time.monotonic()
+
+    def poll(self) -> None:
+        import ray
+
+        if self._pending is not None:
+            ready, _ = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
+            if len(ready) == len(self._pending):
+                records = []
+                for ref in self._pending:
+                    try:
+                        records.append(ray.get(ref))
+                    except Exception:  # noqa: BLE001 - a dead worker is reported by the main wait
+                        records.append(None)
+                keys = [_progress_key(r) for r in records]
+                if keys != self._last:
+                    self._last = keys
+                    self._last_change = time.monotonic()
+                self._pending = None
+        if time.monotonic() - self._last_change > self._timeout_s:
+            raise self._hang_error()
+        if self._pending is None:
+            self._pending = [
+                self._group.monitor_single_async(rank, "progress")
+                for rank in range(len(self._group))
+            ]
+
+    def _hang_error(self) -> WorkerHangError:
+        stacks = self._group.monitor("stacks", timeout_s=10.0)
+        progress = self._group.monitor("progress", timeout_s=5.0)
+        steps = [p.get("step", -1) if isinstance(p, dict) else -1 for p in progress]
+        frames = [_innermost_frame(s) if isinstance(s, str) else "" for s in stacks]
+        # The stuck rank: furthest behind, and among equals one whose training thread
+        # sits in user code rather than waiting inside a library (a collective).
+        slowest = min(range(len(steps)), key=lambda r: (steps[r], _is_library_frame(frames[r]), r))
+        lines = [
+            f"No worker made progress for {self._timeout_s:g}s (hang_timeout_s); the group is "
+            f"torn down. Stuck: rank {slowest} (step {steps[slowest]}, at {frames[slowest]}). "
+            f"Per rank:"
+        ]
+        dump = []
+        for rank, (record, stack) in enumerate(zip(progress, stacks, strict=True)):
+            where = _innermost_frame(stack) if isinstance(stack, str) else f"no answer ({stack!r})"
+            state = record if isinstance(record, dict) else {}
+            lines.append(
+                f"  rank {rank}: phase {state.get('phase')}, epoch {state.get('epoch')}, step "
+                f"{state.get('step')}, stuck at {where}"
+            )
+            dump.append(f"--- rank {rank} ---\n{stack}")
+        return WorkerHangError("\n".join(lines), rank=slowest, remote_traceback="\n".join(dump))
+
+
+def _progress_key(record: Any) -> Any:
+    if not isinstance(record, dict):
+        return None
+    return (record.get("phase"), record.get("epoch"), record.get("step"))
+
+
+def _is_library_frame(frame: str) -> bool:
+    return "site-packages" in frame or "/polytrain/" in frame or not frame
+
+
+def _innermost_frame(stack: str) -> str:
+    """The last ``File ..., line ..., in ...`` line of the first (training) thread's stack."""
+    first_thread = stack.split("\n\n")[0]
+    frames = [
+        line.strip() for line in first_thread.splitlines() if line.strip().startswith("File ")
+    ]
+    return frames[-1] if frames else "(no Python frame)"
+
+
 def _shutdown_group(backend: Backend, group: Any) -> None:
     try:
         backend.on_shutdown(group)
@@ -99,6 +185,8 @@ class BaseTrainer:
             num_workers=scaling.num_workers, use_gpu=scaling.use_gpu, use_fp16=self.use_fp16
         )
         self.epoch = 0
+        self.num_restarts = 0
+        self._latest_state: dict[str, Any] | None = None
 
     @classmethod
     def from_config(cls, path: str | Any, **overrides: Any) -> BaseTrainer:
@@ -172,55 +260,115 @@ class BaseTrainer:
                 f"This {type(self).__name__} is shut down; create a new one."
             )
 
+    def _run_once(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        progress: str | None = None,
+    ) -> list[Any]:
+        """Run ``fn`` on every worker once and return the results in rank order.
+
+        A worker failure tears the whole group down before the error reaches the
+        caller, so no worker is left blocked in a collective. With
+        ``hang_timeout_s`` set, a watchdog turns a group that stopped making
+        progress into a :class:`WorkerHangError` carrying every worker's stack.
+        """
+        self._ensure_open()
+        group = self._group
+        if self.scaling.local_mode:
+            return group.execute(fn, *args)
+        bar = _ProgressBar(group, progress) if progress and self.use_tqdm else None
+        watchdog = (
+            _HangWatchdog(group, self.failure.hang_timeout_s)
+            if self.failure.hang_timeout_s is not None
+            else None
+        )
+        pollers = [p.poll for p in (bar, watchdog) if p is not None]
+
+        def on_poll() -> None:
+            for poll in pollers:
+                poll()
+
+        try:
+            refs = group.execute_async(fn, *args)
+            results = group.get(refs, on_poll=on_poll, poll_interval_s=0.25)
+        except BaseException:
+            # A worker error, a hang, or KeyboardInterrupt: stop every worker now.
+            if bar:
+                bar.close()
+            self._teardown_group()
+            raise
+        if bar:
+            bar.close(results[0] if isinstance(results[0], dict) else None)
+        return results
+
     def _run(
         self,
         fn: Callable[..., Any],
         *args: Any,
         progress: str | None = None,
     ) -> list[Any]:
-        """Run ``fn`` on every worker and return the results in rank order.
+        """Run ``fn`` on every worker (results in rank order), restarting the group after a lost or hung worker.
 
-        A worker failure tears the whole group down before the error reaches the
-        caller, so no worker is left blocked in a collective.
+        A worker that died (killed, out of memory, node lost) or hung is replaced:
+        the group is torn down, a new one starts, the latest epoch-end checkpoint
+        is restored and the call is repeated, up to ``max_retries`` restarts over
+        the trainer's life. An exception raised by user code is not retried
+        (it would fail the same way again) and shuts the trainer down.
         """
-        self._ensure_open()
-        group = self._group
-        bar = _ProgressBar(group, progress) if progress and self.use_tqdm and len(group) else None
-        try:
-            if self.scaling.local_mode:
-                results = group.execute(fn, *args)
-            else:
-                refs = group.execute_async(fn, *args)
-                results = group.get(refs, on_poll=bar.poll if bar else None, poll_interval_s=0.25)
-        except WorkerError:
-            if bar:
-                bar.close()
-            self._abort()
-            raise
-        except BaseException:
-            if bar:
-                bar.close()
-            if not self.scaling.local_mode:
-                self._abort()  # e.g. KeyboardInterrupt: stop the workers now
-            raise
-        if bar:
-            bar.close(results[0] if isinstance(results[0], dict) else None)
-        return results
+        while True:
+            try:
+                return self._run_once(fn, *args, progress=progress)
+            except (WorkerDiedError, WorkerHangError) as exc:
+                if self.num_restarts >= self.failure.max_retries:
+                    self._shut_down = True
+                    raise
+                self.num_restarts += 1
+                logger.warning(
+                    "Restarting the worker group (restart %d of at most %d) after: %s",
+                    self.num_restarts,
+                    self.failure.max_retries,
+                    str(exc).splitlines()[0],
+                )
+                self._restart()
+            except BaseException:
+                self._shut_down = True
+                raise
 
-    def _abort(self) -> None:
+    def _restart(self) -> None:
+        """Start a fresh group and restore the latest epoch-end state into it."""
+        self._teardown_group()
+        self._start()
+        if self._latest_state is not None:
+            self.load_state_dict(self._latest_state)
+
+    def _remember(self, state: dict[str, Any]) -> str | None:
+        """Keep an epoch-end state for recovery; also write it to ``checkpoint_dir`` if set."""
+        self._latest_state = state
+        directory = self.checkpoint.checkpoint_dir
+        if directory is None:
+            return None
+        path = ckpt.save_checkpoint(state, ckpt.epoch_checkpoint_path(directory, state["epoch"]))
+        ckpt.prune_checkpoints(directory, self.checkpoint.num_to_keep)
+        return str(path)
+
+    @property
+    def _keeps_state(self) -> bool:
+        return self.failure.max_retries > 0 or self.checkpoint.checkpoint_dir is not None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _teardown_group(self) -> None:
         group, self._group = self._group, None
         if group is not None:
-            _shutdown_group(self.backend, group)
             if getattr(self, "_finalizer", None) is not None:
                 self._finalizer.detach()
-        self._shut_down = True
+            _shutdown_group(self.backend, group)
 
     def shutdown(self) -> None:
         """Stop every worker and release their resources. Later calls raise."""
-        if self._group is not None:
-            self._finalizer.detach()
-            _shutdown_group(self.backend, self._group)
-            self._group = None
+        self._teardown_group()
         self._shut_down = True
 
     def __enter__(self) -> BaseTrainer:
