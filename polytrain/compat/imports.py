@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.machinery
 import importlib.util
+import sys
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -47,11 +49,22 @@ def install_hint(module: str) -> str:
 
 @functools.cache
 def module_available(module: str) -> bool:
-    """True when ``module`` can be found on the path (without importing it)."""
+    """True when ``module`` can be found on the path, without importing it or its parents.
+
+    ``importlib.util.find_spec("a.b")`` would import ``a`` (horovod's package
+    import alone costs a second); the path finder walks the packages instead.
+    """
+    root, *rest = module.split(".")
+    if root in sys.modules:
+        return importlib.util.find_spec(module) is not None if rest else True
     try:
-        return importlib.util.find_spec(module) is not None
+        spec = importlib.machinery.PathFinder.find_spec(root)
+        for part in rest:
+            if spec is None or not spec.submodule_search_locations:
+                return False
+            spec = importlib.machinery.PathFinder.find_spec(part, spec.submodule_search_locations)
+        return spec is not None
     except (ImportError, ValueError):
-        # find_spec of "a.b" imports "a"; a broken parent means "not usable".
         return False
 
 
