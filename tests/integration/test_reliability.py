@@ -50,14 +50,28 @@ class _Killer(threading.Thread):
             time.sleep(0.02)
 
 
+def _make_trainer(backend, backend_config, **kwargs):
+    if backend == "mwms":
+        from examples import tf_digits
+        from polytrain import TFTrainer
+
+        return TFTrainer(
+            model_creator=tf_digits.model_creator,
+            data_creator=tf_digits.data_creator,
+            # A fixed order: tf.data reshuffles per iterator, and a restarted worker's
+            # fresh data set would replay the first epoch's order (see README).
+            config={"lr": 0.05, "batch_size": 32, "shuffle": False},
+            backend=backend,
+            **kwargs,
+        )
+    return TorchTrainer(
+        **DIGITS, config=CONFIG, backend=backend, backend_config=backend_config, **kwargs
+    )
+
+
 def _run(backend, backend_config, kill: bool):
-    trainer = TorchTrainer(
-        **DIGITS,
-        config=CONFIG,
-        num_workers=2,
-        backend=backend,
-        backend_config=backend_config,
-        failure_config={"max_retries": 3},
+    trainer = _make_trainer(
+        backend, backend_config, num_workers=2, failure_config={"max_retries": 3}
     )
     killer = None
     try:
@@ -73,7 +87,9 @@ def _run(backend, backend_config, kill: bool):
         trainer.shutdown()
 
 
-@pytest.mark.parametrize(("backend", "backend_config", "tol"), _params(CASES))
+@pytest.mark.parametrize(
+    ("backend", "backend_config", "tol"), _params([*CASES, ("mwms", "mwms", None, 0.0)])
+)
 def test_sigkilled_worker_is_replaced_and_training_completes(backend, backend_config, tol):
     reference_stats, reference_loss, _ = _run(backend, backend_config, kill=False)
     stats, val_loss, killer = _run(backend, backend_config, kill=True)
@@ -85,7 +101,9 @@ def test_sigkilled_worker_is_replaced_and_training_completes(backend, backend_co
 
 
 def test_retries_exhausted_raises_the_original_error(no_leftover_actors):
-    trainer = TorchTrainer(**DIGITS, config=CONFIG, num_workers=2, failure_config={"max_retries": 0})
+    trainer = TorchTrainer(
+        **DIGITS, config=CONFIG, num_workers=2, failure_config={"max_retries": 0}
+    )
     killer = _Killer(trainer, rank=0, epoch=0, min_step=2)
     killer.start()
     with pytest.raises(WorkerDiedError, match=r"Worker rank 0 .* died"):

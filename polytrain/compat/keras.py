@@ -1,0 +1,89 @@
+"""Which Keras to use with TensorFlow: ``tf_keras`` (Keras 2), never Keras 3.
+
+TensorFlow's ``MultiWorkerMirroredStrategy`` fails inside Keras 3's ``model.fit``
+(it cannot convert the strategy's per-replica values), while ``tf_keras`` trains
+correctly under it. TensorFlow >= 2.16 resolves ``tf.keras`` to Keras 3 unless
+``TF_USE_LEGACY_KERAS=1`` is set *before TensorFlow is imported*, so the
+TensorFlow backend starts its workers with that variable and builds models with
+the module :func:`get_keras` returns.
+
+Nothing here imports TensorFlow or Keras at module import time, and nothing of
+polytrain is imported (this is the ground floor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+from polytrain.compat.imports import require
+
+#: The environment variable that makes ``tf.keras`` resolve to ``tf_keras``.
+LEGACY_KERAS_VAR = "TF_USE_LEGACY_KERAS"
+
+#: What every TensorFlow worker must start with (set before TensorFlow is imported).
+LEGACY_KERAS_ENV = {LEGACY_KERAS_VAR: "1"}
+
+#: How to fix a model built with Keras 3, for error messages.
+KERAS3_FIX = (
+    "Build the model with tf_keras (Keras 2): `import tf_keras as keras` in the creator, or use "
+    "`tf.keras` with TF_USE_LEGACY_KERAS=1 set before TensorFlow is imported (polytrain sets it "
+    "in its workers; in your own driver process set it at the top of the script or in the "
+    "shell). Keras 3 models fail under MultiWorkerMirroredStrategy."
+)
+
+
+def get_keras() -> ModuleType:
+    """The Keras module that works with ``MultiWorkerMirroredStrategy``: ``tf_keras``.
+
+    Raises:
+        MissingDependencyError: tf_keras is not installed (with the install command).
+    """
+    return require("tf_keras", "TFTrainer (Keras models under MultiWorkerMirroredStrategy)")
+
+
+def keras_flavor(obj: Any) -> str | None:
+    """``"tf_keras"``, ``"keras3"`` or ``None`` (not a Keras object) for a model or optimizer.
+
+    Answered from the classes' modules, so it imports nothing.
+    """
+    for cls in type(obj).__mro__:
+        root = cls.__module__.split(".")[0]
+        if root == "tf_keras":
+            return "tf_keras"
+        if root == "keras":
+            # Keras 2 inside TensorFlow < 2.16 lived at ``keras.src`` too; only Keras 3 has
+            # ``keras.src.models``.
+            keras_module = sys.modules.get("keras")
+            major = str(getattr(keras_module, "__version__", "3")).split(".")[0]
+            return "keras3" if not major.isdigit() or int(major) >= 3 else "tf_keras"
+    return None
+
+
+def is_legacy_keras_model(obj: Any) -> bool:
+    """True when ``obj`` is a ``tf_keras`` (Keras 2) model."""
+    if keras_flavor(obj) != "tf_keras":
+        return False
+    return isinstance(obj, get_keras().Model)
+
+
+@contextlib.contextmanager
+def legacy_keras_env() -> Iterator[None]:
+    """Set ``TF_USE_LEGACY_KERAS=1`` for the duration of the block, then restore it.
+
+    This only changes what ``tf.keras`` means if TensorFlow has not resolved
+    ``tf.keras`` in this process yet (it caches the choice on first use).
+    """
+    previous = os.environ.get(LEGACY_KERAS_VAR)
+    os.environ[LEGACY_KERAS_VAR] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(LEGACY_KERAS_VAR, None)
+        else:
+            os.environ[LEGACY_KERAS_VAR] = previous

@@ -1,0 +1,308 @@
+"""TFTrainer: train a Keras model with TensorFlow's MultiWorkerMirroredStrategy on Ray actors."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from polytrain.backends.base import Backend
+from polytrain.errors import ConfigError, CreatorError
+from polytrain.trainer_api import checkpoint as ckpt
+from polytrain.trainer_api import tf_worker
+from polytrain.trainer_api.config import (
+    CheckpointConfig,
+    FailureConfig,
+    ScalingConfig,
+    merge_flat_options,
+)
+from polytrain.trainer_api.trainer import BaseTrainer
+
+_WEIGHT_KEYS = ("models", "optimizers")
+
+
+class TFTrainer(BaseTrainer):
+    """Train a compiled Keras (tf_keras) model on Ray workers with ``MultiWorkerMirroredStrategy``.
+
+    Every worker holds a replica of the model; ``model.fit`` runs on all of them at
+    once and the strategy all-reduces the gradients after every step. Workers find
+    each other through the ``TF_CONFIG`` the backend gives each of them; worker 0 is
+    the chief.
+
+    Example:
+        >>> import tf_keras as keras
+        >>> def model_creator(config):
+        ...     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+        ...     model.compile(optimizer=keras.optimizers.SGD(config["lr"]),
+        ...                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        ...                   metrics=["accuracy"])
+        ...     return model
+        >>> def data_creator(config):
+        ...     train = tf.data.Dataset.from_tensor_slices((x, y)).batch(config["batch_size"])
+        ...     return train, val
+        >>> trainer = TFTrainer(model_creator=model_creator, data_creator=data_creator,
+        ...                     config={"lr": 0.1, "batch_size": 64}, num_workers=2)
+        >>> stats = trainer.train(); trainer.validate()["val_accuracy"]
+        >>> trainer.save("ckpt.pt"); model = trainer.get_model(); trainer.shutdown()
+
+    The batch rule: ``config["batch_size"]`` is the **global** batch, and
+    ``data_creator`` receives it unchanged. Batch the data sets with it
+    (``dataset.batch(config["batch_size"])``); the strategy splits every global
+    batch between the workers (with the default ``auto_shard_policy="data"``,
+    worker ``i`` trains on the ``i``-th slice of each global batch). So 2 workers
+    with ``batch_size=64`` take the same optimisation steps as 1 worker with 64.
+    (``TorchTrainer`` differs: it divides ``batch_size`` by ``num_workers`` before
+    its ``data_creator`` sees it, because each torch worker builds its own loader.)
+
+    Keras: models must be tf_keras (Keras 2) models. The workers start with
+    ``TF_USE_LEGACY_KERAS=1``, so ``tf.keras`` there is tf_keras; ``import tf_keras
+    as keras`` works everywhere. A Keras 3 model is rejected with an error that
+    says how to fix it.
+
+    Args:
+        model_creator: ``config -> keras.Model``, compiled (``model.compile(...)``).
+            Called inside ``strategy.scope()`` on every worker.
+        data_creator: ``config -> tf.data.Dataset`` or ``(train_dataset, val_dataset)``,
+            batched with the global batch ``config["batch_size"]``. Called on every
+            worker; every worker must produce the same data in the same order (fixed
+            seeds) for the default "data" sharding.
+        config: the user's hyperparameters, passed to both creators.
+        num_workers: shortcut for ``scaling_config.num_workers`` (0 = local mode: one
+            worker in the driver process, no Ray, TensorFlow's default strategy).
+        use_gpu: shortcut for ``scaling_config.use_gpu``; every worker gets one GPU.
+        num_cpus_per_worker: shortcut for ``scaling_config.num_cpus_per_worker``; also
+            the worker's TensorFlow intra-op threads.
+        backend: "mwms" (aliases "tensorflow", "tf", "multi_worker_mirrored") or a
+            TensorFlow :class:`~polytrain.backends.Backend` instance.
+        backend_config: :class:`~polytrain.backends.tensorflow.MWMSConfig` or a dict:
+            ``communication`` ("auto" | "ring" | "nccl") and ``auto_shard_policy``
+            ("data" | "file" | "auto" | "off").
+        use_tqdm: show the chief's progress as a bar on the driver.
+        scaling_config: :class:`ScalingConfig` (or dict): workers, resources, placement.
+        failure_config: :class:`FailureConfig` (or dict); ``collective_timeout_s`` is
+            the timeout of one collective operation.
+        checkpoint_config: :class:`CheckpointConfig` (or dict).
+    """
+
+    framework = "tensorflow"
+
+    def __init__(
+        self,
+        *,
+        model_creator: Callable[[dict], Any],
+        data_creator: Callable[[dict], Any],
+        config: dict[str, Any] | None = None,
+        num_workers: int | None = None,
+        use_gpu: bool | None = None,
+        num_cpus_per_worker: float | None = None,
+        backend: str | Backend = "mwms",
+        backend_config: Any = None,
+        use_tqdm: bool = False,
+        scaling_config: ScalingConfig | dict | None = None,
+        failure_config: FailureConfig | dict | None = None,
+        checkpoint_config: CheckpointConfig | dict | None = None,
+    ) -> None:
+        self._group = None  # so shutdown()/__del__ work if validation below fails
+        self._shut_down = False
+        scaling = merge_flat_options(
+            ScalingConfig,
+            scaling_config,
+            "scaling_config",
+            num_workers=num_workers,
+            use_gpu=use_gpu,
+            num_cpus_per_worker=num_cpus_per_worker,
+        )
+        if config is not None and not isinstance(config, dict):
+            raise ConfigError(f"config must be a dict; got {type(config).__name__}: {config!r}.")
+        self.config = dict(config or {})
+        batch = self.config.get("batch_size")
+        if "batch_size" in self.config and (
+            isinstance(batch, bool) or not isinstance(batch, int) or batch < 1
+        ):
+            raise ConfigError(
+                f"config['batch_size'] must be a positive int (the global batch); got {batch!r}."
+            )
+        self.creators = tf_worker.TFCreators(model_creator, data_creator)
+        super().__init__(
+            backend,
+            backend_config,
+            scaling,
+            merge_flat_options(FailureConfig, failure_config, "failure_config"),
+            merge_flat_options(CheckpointConfig, checkpoint_config, "checkpoint_config"),
+            use_fp16=False,
+            use_tqdm=use_tqdm,
+        )
+        self._start()
+
+    # ------------------------------------------------------------- workers
+    def _setup_workers(self, group: Any) -> None:
+        setup = tf_worker.TFWorkerSetup(
+            creators=self.creators,
+            backend=self.backend,
+            config=self.config,
+            context=self._context_template(),
+        )
+        refs = [
+            group.execute_single_async(rank, tf_worker.setup_worker, setup, info)
+            for rank, info in enumerate(group.rank_infos)
+        ]
+        group.get(refs)
+
+    # ------------------------------------------------------------ training
+    def train(self, num_steps: int | None = None) -> dict[str, Any]:
+        """Train one epoch (or ``num_steps`` global batches) with ``model.fit`` on every worker.
+
+        Epochs count up across calls (``fit(initial_epoch=e, epochs=e + 1)``), so
+        epoch-based callbacks and schedules in the model see the right epoch.
+
+        Returns:
+            The chief's view of the epoch: ``epoch``, ``loss`` (the mean over the
+            global batch), the compiled metrics (e.g. ``accuracy``), ``num_steps``,
+            ``num_samples`` (steps times the global batch), ``epoch_time_s`` (the
+            slowest worker) and ``samples_per_s``.
+        """
+        self._ensure_open()
+        epoch = self.epoch
+        results = self._run(tf_worker.train_epoch, epoch, num_steps, progress=f"epoch {epoch}")
+        self.epoch = epoch + 1
+        stats = _chief_stats(results, "epoch_time_s")
+        stats["num_restarts"] = self.num_restarts
+        if self._keeps_state:  # the epoch-end state a restart resumes from
+            path = self._remember(self.state_dict())
+            if path is not None:
+                stats["checkpoint_path"] = path
+        return stats
+
+    def validate(self, num_steps: int | None = None) -> dict[str, Any]:
+        """``model.evaluate`` on the validation data set (all of it, or ``num_steps`` batches).
+
+        Returns:
+            ``val_loss``, the compiled metrics with a ``val_`` prefix (e.g.
+            ``val_accuracy``), ``num_steps``, ``num_samples`` and ``time_s``.
+        """
+        results = self._run(tf_worker.validate, num_steps)
+        return _chief_stats(results, "time_s")
+
+    # --------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The training state as a portable checkpoint dict.
+
+        ``"models"`` is ``[weights]`` where ``weights`` is ``model.get_weights()`` (a
+        list of numpy arrays); ``"optimizers"`` is ``[variables]``, the optimizer's
+        variables (iteration count and slots) as numpy arrays, or ``[None]`` before
+        the first step.
+        """
+        state = self._run(tf_worker.get_state)[0]
+        return {
+            "format": ckpt.FORMAT,
+            "version": ckpt.VERSION,
+            "framework": self.framework,
+            "backend": self.backend.name,
+            "world_size": self.scaling.world_size,
+            "epoch": self.epoch,
+            **state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a state from :meth:`state_dict` or :meth:`load` on every worker (any world size)."""
+        self._ensure_open()
+        ckpt.validate_checkpoint(state, "state", framework=self.framework)
+        payload = {key: _to_numpy(state.get(key)) for key in _WEIGHT_KEYS}
+        if not self.scaling.local_mode:
+            import ray
+
+            payload = ray.put(payload)  # one copy in the object store, shared by all workers
+        self._run(tf_worker.load_state, payload)
+        self.epoch = int(state["epoch"])
+        if self._keeps_state:
+            self._latest_state = state
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write a checkpoint to ``path`` atomically; returns the absolute path.
+
+        The arrays are stored as torch tensors in a ``torch.save`` file, so
+        :meth:`load` reads it with ``weights_only=True`` (no arbitrary unpickling).
+        """
+        state = self.state_dict()
+        for key in _WEIGHT_KEYS:
+            state[key] = _to_tensors(state.get(key))
+        return str(ckpt.save_checkpoint(state, path))
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Load a checkpoint written by :meth:`save`, at any world size.
+
+        Raises:
+            CheckpointError: the file is missing, corrupted, not a polytrain checkpoint
+                or written by a torch trainer; nothing is loaded then.
+        """
+        self._ensure_open()
+        self.load_state_dict(ckpt.load_checkpoint(path, framework=self.framework))
+
+    def apply_all_workers(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Run ``fn(*args)`` in every worker process; returns the results in rank order."""
+        return self._run(fn, *args)
+
+    def apply_all_models(self, fn: Callable[[Any], Any]) -> list[Any]:
+        """Run ``fn(model)`` on every worker's Keras model; returns the results in rank order."""
+        return self._run(tf_worker.apply_to_model, fn)
+
+    def get_model(self) -> Any:
+        """The trained model, built by ``model_creator`` in the driver (no strategy).
+
+        The driver imports TensorFlow here. ``TF_USE_LEGACY_KERAS=1`` is set while
+        ``model_creator`` runs, so a creator using ``tf.keras`` builds a tf_keras
+        model, unless this process resolved ``tf.keras`` to Keras 3 earlier; set the
+        variable at the top of the driver script (or use ``import tf_keras``) to be sure.
+        """
+        from polytrain.compat.keras import legacy_keras_env
+
+        state = self.state_dict()
+        with legacy_keras_env():
+            model = self.creators.create_model(self.config)
+        if not model.built:
+            raise CreatorError(
+                f"model_creator built an unbuilt {type(model).__name__} in the driver, so the "
+                f"trained weights cannot be set on it. Give the model its input shape (e.g. "
+                f"keras.Input(shape=...) as its first layer) so it is built on creation."
+            )
+        model.set_weights(state["models"][0])
+        return model
+
+    def shutdown(self) -> None:
+        """Stop every worker and release their resources. Later calls raise."""
+        if self._group is not None and self.scaling.local_mode:
+            # The local "worker" is this process: drop the model it holds.
+            self._group.execute(tf_worker.teardown_worker)
+        super().shutdown()
+
+
+def _chief_stats(results: list[dict[str, Any]], time_key: str) -> dict[str, Any]:
+    # Every worker reports the loss and metrics of the whole global batch, so the chief's
+    # numbers are the answer; only the time is the slowest worker's.
+    stats = dict(results[0])
+    stats[time_key] = max(r[time_key] for r in results)
+    if stats.get("num_samples") and stats[time_key] > 0:
+        stats["samples_per_s"] = stats["num_samples"] / stats[time_key]
+    return stats
+
+
+def _to_numpy(value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_to_numpy(v) for v in value]
+    if hasattr(value, "detach"):  # a torch tensor read from a checkpoint file
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _to_tensors(value: Any) -> Any:
+    import torch
+
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_to_tensors(v) for v in value]
+    return torch.from_numpy(np.array(value, copy=True, order="C"))

@@ -1,0 +1,122 @@
+"""TF_CONFIG building and the mwms backend's driver-side logic, without Ray or TensorFlow."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from polytrain.backends.registry import get_backend
+from polytrain.backends.tensorflow import (
+    MultiWorkerMirroredBackend,
+    MWMSConfig,
+    build_tf_config,
+    format_address,
+    is_chief,
+    plan_ports,
+    worker_env,
+)
+from polytrain.compat.keras import LEGACY_KERAS_VAR, legacy_keras_env
+
+ADDRESSES = ["10.0.0.1:2222", "10.0.0.1:2223", "10.0.0.2:2222"]
+
+
+def test_cluster_spec_lists_every_worker_in_rank_order():
+    for index in range(3):
+        config = build_tf_config(ADDRESSES, index)
+        assert config == {
+            "cluster": {"worker": ADDRESSES},
+            "task": {"type": "worker", "index": index},
+        }
+    # JSON round trip: what the workers read from the environment.
+    assert json.loads(json.dumps(build_tf_config(ADDRESSES, 2)))["task"]["index"] == 2
+
+
+def test_worker_zero_is_the_only_chief():
+    chiefs = [is_chief(build_tf_config(ADDRESSES, i)) for i in range(len(ADDRESSES))]
+    assert chiefs == [True, False, False]
+    explicit = {
+        "cluster": {"chief": ["a:1"], "worker": ["b:1"]},
+        "task": {"type": "worker", "index": 0},
+    }
+    assert not is_chief(explicit)
+    assert is_chief({**explicit, "task": {"type": "chief", "index": 0}})
+
+
+@pytest.mark.parametrize(
+    "addresses, index, message",
+    [
+        ([], 0, "at least one worker address"),
+        (["h:1", "h:1"], 0, r"unique; \['h:1'\] appear more than once"),
+        (ADDRESSES, 3, "index 3 is out of range for a cluster of 3"),
+        (ADDRESSES, -1, "index -1 is out of range"),
+        (ADDRESSES, True, "index True is out of range"),
+    ],
+)
+def test_bad_cluster_raises_with_the_value(addresses, index, message):
+    with pytest.raises(ValueError, match=message):
+        build_tf_config(addresses, index)
+
+
+def test_addresses_and_port_plan():
+    assert format_address("10.0.0.1", 2222) == "10.0.0.1:2222"
+    assert format_address("::1", 2222) == "[::1]:2222"
+    assert format_address("[::1]", 2222) == "[::1]:2222"
+    # One worker per node reserves the ports of all workers on that node.
+    assert plan_ports(["a", "b", "a", "a"]) == {"a": (0, 3), "b": (1, 1)}
+
+
+def test_worker_env_sets_tf_config_and_own_gpu_only():
+    env = worker_env(ADDRESSES, 1)
+    assert set(env) == {"TF_CONFIG"}
+    assert json.loads(env["TF_CONFIG"]) == build_tf_config(ADDRESSES, 1)
+    gpu_env = worker_env(ADDRESSES, 2, gpu_ids=("3",), use_gpu=True)
+    assert gpu_env["CUDA_VISIBLE_DEVICES"] == "3"
+    with pytest.raises(ValueError, match="worker 0 was given no GPU"):
+        worker_env(ADDRESSES, 0, gpu_ids=(), use_gpu=True)
+
+
+def test_backend_registry_config_and_settings():
+    backend = get_backend("tf", {"communication": "RING", "auto_shard_policy": "off"})
+    assert isinstance(backend, MultiWorkerMirroredBackend)
+    assert backend.framework == "tensorflow"
+    assert backend.config == MWMSConfig(communication="ring", auto_shard_policy="off")
+    assert MWMSConfig() == MWMSConfig(communication="auto", auto_shard_policy="data")
+    assert backend.worker_env_vars() == {LEGACY_KERAS_VAR: "1"}
+    with pytest.raises(ValueError, match=r"communication \('gloo'\) is not supported.*'ring'"):
+        MWMSConfig(communication="gloo")
+    with pytest.raises(ValueError, match=r"auto_shard_policy \('hint'\).*'data', 'file'"):
+        MWMSConfig(auto_shard_policy="hint")
+    with pytest.raises(TypeError, match=r"Unknown backend_config key\(s\) \['timeout'\]"):
+        get_backend("mwms", {"timeout": 5})
+    with pytest.raises(ValueError, match="communication='nccl' needs use_gpu=True"):
+        get_backend("mwms", {"communication": "nccl"}).validate_settings(
+            num_workers=2, use_gpu=False, use_fp16=False
+        )
+
+
+def test_legacy_keras_env_is_restored():
+    import os
+
+    before = os.environ.get(LEGACY_KERAS_VAR)
+    with legacy_keras_env():
+        assert os.environ[LEGACY_KERAS_VAR] == "1"
+    assert os.environ.get(LEGACY_KERAS_VAR) == before
+
+
+def test_importing_the_tf_modules_does_not_import_tensorflow():
+    code = (
+        "import sys, polytrain\n"
+        "from polytrain import TFTrainer\n"
+        "import polytrain.backends.tensorflow, polytrain.compat.keras\n"
+        "from polytrain.backends.registry import get_backend\n"
+        "get_backend('mwms')\n"
+        "bad = [m for m in ('tensorflow', 'tf_keras', 'keras') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
