@@ -16,7 +16,7 @@ unit:             ## the fast unit tests only (no Ray)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 demo: setup       ## the main job: train the digits example on every installed backend and compare
-	$(PY) examples/digits.py --backend ddp --num-workers 2 --epochs 5
+	$(PY) -m polytrain compare -c examples/configs/ddp.yaml --epochs 5 --out polytrain_runs/demo
 
 bench: setup      ## side-by-side benchmarks against the native launchers; rewrites benchmarks/RESULTS.md
 	$(PY) benchmarks/run.py

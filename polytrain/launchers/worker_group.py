@@ -29,11 +29,13 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _MONITOR = "monitor"
 
 
-def ensure_ray(address: str | None = None) -> None:
+def ensure_ray(address: str | None = None, runtime_env: dict | None = None) -> None:
     """Connect to Ray: the running instance, ``address``, or a new local one.
 
-    A new local instance has no dashboard and binds to 127.0.0.1. An address that
-    cannot be reached raises a ConnectionError that names it.
+    A new local instance has no dashboard and binds to 127.0.0.1. ``runtime_env``
+    applies to every worker of this driver (e.g. PYTHONPATH for creators given by
+    import path). An address that cannot be reached raises a ConnectionError that
+    names it.
     """
     if ray.is_initialized():
         return
@@ -53,10 +55,11 @@ def ensure_ray(address: str | None = None) -> None:
                 _node_ip_address="127.0.0.1",
                 log_to_driver=True,
                 configure_logging=False,
+                runtime_env=runtime_env,
             )
         else:
-            ray.init(address=address, log_to_driver=True)
-    except (ConnectionError, RuntimeError, TimeoutError, ValueError) as exc:
+            ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
+    except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception when a start times out
         raise ConnectionError(
             f"Could not connect to Ray at address={address!r} ({type(exc).__name__}: {exc}). "
             f"Check that the cluster is up (`ray status`), or pass address=None to start a "

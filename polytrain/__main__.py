@@ -1,0 +1,8 @@
+"""``python -m polytrain``: the same as the ``polytrain`` command."""
+
+import sys
+
+from polytrain.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""The `polytrain` command end to end: real subprocesses against real Ray instances.
+
+`train`, `compare` and `check` join the session's Ray instance through
+``--address`` (starting one per command would cost seconds each); `submit`
+talks to a Ray head with a dashboard that this module starts in its own temp
+dir and stops again, killing only the processes that belong to it.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from polytrain import TorchTrainer
+from polytrain.backends.registry import available_backends, get_spec
+from polytrain.errors import ConfigError
+from polytrain.trainer_api.checkpoint import load_checkpoint
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DDP = "examples/configs/ddp.yaml"
+CLI_TIMEOUT_S = 420
+
+
+def run_cli(*args: str, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "polytrain", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    print(proc.stdout[-4000:])
+    print(proc.stderr[-4000:], file=sys.stderr)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def ray_address(ray_start_4_cpus):
+    return ray_start_4_cpus.get_runtime_context().gcs_address
+
+
+def _second_backend() -> str:
+    """Another installed torch backend whose module imports, else DDP again under its alias."""
+    for name in ("horovod", "fairscale", "fsdp", "deepspeed"):
+        spec = get_spec(name)
+        if spec.installed and importlib.util.find_spec(spec.target.split(":")[0]) is not None:
+            return name
+    return "torch"  # the alias of ddp: the same job a second time
+
+
+# -------------------------------------------------------------- from_config
+def test_from_config_builds_a_working_trainer(ray_start_4_cpus, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    trainer = TorchTrainer.from_config(DDP, **{"config.lr": 0.05, "config.batch_size": 32})
+    try:
+        assert trainer.backend_name == "ddp"
+        assert trainer.config["lr"] == 0.05
+        assert trainer.scaling.num_workers == 2
+        first = trainer.train(num_steps=4)
+        second = trainer.train(num_steps=4)
+        assert math.isfinite(first["loss"]) and second["loss"] < first["loss"]
+        assert 0.0 <= trainer.validate(num_steps=2)["val_accuracy"] <= 1.0
+    finally:
+        trainer.shutdown()
+    with pytest.raises(ConfigError, match="scaling.num_wokers: unknown key"):
+        TorchTrainer.from_config(DDP, **{"scaling.num_wokers": 2})
+
+
+# -------------------------------------------------------------------- train
+def test_train_prints_metrics_and_writes_a_checkpoint(ray_address, tmp_path):
+    proc = run_cli(
+        "train", "-c", DDP, "epochs=2", "num_steps=3", "config.lr=0.05",
+        "--out", str(tmp_path), "--address", ray_address, "--no-progress",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    epochs = re.findall(
+        r"^epoch (\d): loss ([\d.]+)  val_loss ([\d.]+)  val_accuracy", proc.stdout, re.M
+    )
+    assert [e[0] for e in epochs] == ["0", "1"]
+    match = re.search(r"^checkpoint: (.+)$", proc.stdout, re.M)
+    assert match, proc.stdout
+    path = Path(match.group(1))
+    assert path.is_file() and path.parent == tmp_path
+    state = load_checkpoint(path, framework="torch")
+    assert state["backend"] == "ddp" and state["epoch"] == 2
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2
+    assert "lr: 0.05" in (tmp_path / "run_config.yaml").read_text()
+
+
+# ------------------------------------------------------------------ compare
+def test_compare_two_backends_writes_table_csv_and_plot(ray_address, tmp_path):
+    second = _second_backend()
+    proc = run_cli(
+        "compare", "-c", DDP, "--backends", f"ddp,{second}", "--epochs", "2",
+        "--num-steps", "2", "--out", str(tmp_path), "--address", ray_address,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("backend"))
+    assert header.split()[:4] == ["backend", "status", "epoch", "time"]
+    assert re.search(rf"^{second}\s+ok\s+\d", proc.stdout, re.M), proc.stdout
+    rows = list(csv.DictReader((tmp_path / "compare.csv").open()))
+    assert [r["backend"] for r in rows] == ["ddp", second]
+    for row in rows:
+        assert row["status"] == "ok", row
+        assert float(row["samples_per_s"]) > 0 and float(row["final_loss"]) > 0
+        assert 0 <= float(row["val_accuracy"]) <= 1 and float(row["peak_memory_mb"]) > 0
+        assert len(row["losses"].split(";")) == 2
+    png = tmp_path / "compare.png"
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert str(png) in proc.stdout
+
+
+# -------------------------------------------------------------------- check
+def test_check_passes_on_a_healthy_ray(ray_address):
+    proc = run_cli("check", "--backends", "ddp", "--address", ray_address)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^backend ddp\s+OK\s+torch; importable on workers", proc.stdout, re.M)
+    assert re.search(r"^collective ddp\s+OK\s+2 workers trained 2 steps", proc.stdout, re.M)
+    assert re.search(r"^versions\s+OK", proc.stdout, re.M)
+    assert "all good" in proc.stdout
+
+
+def test_check_fails_with_a_clear_row_for_a_missing_backend(ray_address):
+    proc = run_cli(
+        "check", "--backends", "ddp,nonexistent", "--no-collective", "--address", ray_address
+    )
+    assert proc.returncode == 1
+    assert re.search(
+        r"^backend nonexistent\s+FAIL\s+Unknown backend 'nonexistent'", proc.stdout, re.M
+    )
+    assert re.search(r"^backend ddp\s+OK", proc.stdout, re.M)
+    assert "FAILED" in proc.stderr
+    not_installed = [
+        n for n in available_backends(installed_only=False) if not get_spec(n).installed
+    ]
+    if not_installed:  # a registered backend without its package is a failure when requested
+        proc = run_cli(
+            "check", "--backends", not_installed[0], "--no-collective", "--address", ray_address
+        )
+        assert proc.returncode == 1
+        assert re.search(rf"^backend {not_installed[0]}\s+FAIL\s+not installed", proc.stdout, re.M)
+
+
+# ------------------------------------------------------------------- submit
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _pids_using(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline and int(entry.name) != os.getpid():
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A Ray head with a dashboard on 127.0.0.1, in its own temp dir and ports.
+
+    ``ray stop`` would stop every Ray instance on the machine, so the head runs
+    under ``ray start --block`` in its own session and is stopped by signalling that
+    process group, then any process whose command line names our temp dir.
+    """
+    temp_dir = tempfile.mkdtemp(prefix="ptjob", dir="/tmp")
+    gcs, dashboard, client, agent_http, agent_grpc, metrics, runtime_env_agent, node_manager, object_manager = _free_ports(9)  # fmt: skip
+    ray_bin = Path(sys.executable).with_name("ray")
+    command = [
+        str(ray_bin), "start", "--head", "--block", f"--temp-dir={temp_dir}",
+        "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=2",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+        f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
+        f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
+        f"--runtime-env-agent-port={runtime_env_agent}", f"--node-manager-port={node_manager}",
+        f"--object-manager-port={object_manager}", "--disable-usage-stats",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    log = open(Path(temp_dir) / "ray_start.log", "w")  # noqa: SIM115 - closed at teardown
+    proc = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+    )
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        from ray.job_submission import JobSubmissionClient
+
+        deadline = time.monotonic() + 240
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"ray start exited: {(Path(temp_dir) / 'ray_start.log').read_text()}")
+            try:
+                JobSubmissionClient(address).list_jobs()
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the dashboard at {address} did not come up in 240 s")
+                time.sleep(2)
+        yield address
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in _pids_using(temp_dir):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            time.sleep(2)
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_submit_succeeding_job_returns_0(ray_head):
+    # A real training job: the working dir (this repository) is uploaded, and the
+    # job's workers import the example creators from it.
+    proc = run_cli(
+        "submit", "--address", ray_head, "--working-dir", str(REPO_ROOT), "--",
+        sys.executable, "-m", "polytrain", "train", "-c", DDP, "num_workers=1", "epochs=1",
+        "num_steps=2", "--no-progress", "--out", "polytrain_runs/submit-test",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^epoch 0: loss [\d.]+", proc.stdout, re.M)
+    assert "checkpoint: " in proc.stdout and "SUCCEEDED" in proc.stdout
+    assert not (REPO_ROOT / "polytrain_runs" / "submit-test").exists()  # written on the cluster
+
+
+def test_submit_failing_job_returns_nonzero_with_log_tail(ray_head):
+    script = "import sys; print('about to fail: marker-7f3a'); sys.exit(3)"
+    proc = run_cli(
+        "submit", "--address", ray_head, "--no-working-dir", "--", sys.executable, "-c", script
+    )
+    assert proc.returncode != 0
+    assert "FAILED" in proc.stderr
+    tail = proc.stderr.split("--- last log lines ---", 1)[1]
+    assert "marker-7f3a" in tail
