@@ -20,6 +20,10 @@ class WorkerError(PolytrainError, RuntimeError):
         self.rank = rank
         self.remote_traceback = remote_traceback
 
+    def __reduce__(self) -> tuple:
+        # copy.copy and pickle (Ray Tune copies a trial's error) must keep rank and traceback.
+        return (type(self), (self.args[0], self.rank, self.remote_traceback))
+
 
 class WorkerDiedError(WorkerError):
     """A worker process died (killed, out of memory, node lost) instead of raising."""

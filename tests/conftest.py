@@ -23,6 +23,8 @@ _ENV_ALLOWED_TO_CHANGE = (
     "TPU_ML_PLATFORM",
     "HDF5_PLUGIN_PATH",
     "ENABLE_RUNTIME_UPTIME_TELEMETRY",
+    "CRC32C_SW_MODE",  # tensorboardX (Ray Tune's TensorBoard logger), on import
+    "PYTORCH_NVML_BASED_CUDA_CHECK",  # lightning_fabric, on import
     "GRPC_",
     "TOKENIZERS",
     "CUBLAS",

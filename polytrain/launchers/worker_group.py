@@ -154,17 +154,20 @@ class WorkerGroup:
     def start(self) -> None:
         """Place and start the actors, then learn where each runs.
 
-        Inside a placement group that reserves a bundle per worker after its own
-        (a Ray Tune trial with the trainable's PlacementGroupFactory), the workers
-        go into bundles 1..n of that group instead of a new one, which could never
-        be placed while the trial holds the resources.
+        Inside a placement group with a bundle per worker (a Ray Tune trial with the
+        trainable's PlacementGroupFactory), the workers go into the last n bundles of
+        that group instead of a new one, which could never be placed while the trial
+        holds the resources.
 
         Raises:
             InsufficientResourcesError: the workers cannot be placed within ``start_timeout_s``.
         """
         current = ray.util.get_current_placement_group()
-        if current is not None and len(current.bundle_specs) > self.num_workers:
-            pg, first_bundle, self._owns_placement_group = current, 1, False
+        if current is not None and len(current.bundle_specs) >= self.num_workers:
+            # The workers take the last n bundles: Tune puts the trainable's bundle first,
+            # and drops it when the trainable reserves nothing.
+            pg, self._owns_placement_group = current, False
+            first_bundle = len(current.bundle_specs) - self.num_workers
         else:
             self._check_feasible()
             pg = placement_group(

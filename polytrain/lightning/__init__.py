@@ -1,0 +1,47 @@
+"""Lightning 2.x strategies on Ray actors, built from polytrain's backends and worker group.
+
+>>> import pytorch_lightning as pl
+>>> from polytrain.lightning import RayStrategy
+>>> trainer = pl.Trainer(max_epochs=2, strategy=RayStrategy(num_workers=2, backend="horovod"))
+>>> trainer.fit(model)
+
+Importing this package imports pytorch_lightning; ``import polytrain`` does not.
+"""
+
+from polytrain.compat.imports import MissingDependencyError, install_hint, module_available
+
+if not module_available("pytorch_lightning"):
+    raise MissingDependencyError(
+        "polytrain.lightning needs pytorch_lightning (2.x), which is not installed. Install "
+        f"it with: {install_hint('pytorch_lightning')}"
+    )
+
+from polytrain.lightning.environment import WorkerGroupEnvironment  # noqa: E402
+from polytrain.lightning.launcher import RayLauncher  # noqa: E402
+from polytrain.lightning.legacy import (  # noqa: E402
+    HorovodRayPlugin,
+    RayDeepSpeedPlugin,
+    RayPlugin,
+    RayShardedPlugin,
+)
+from polytrain.lightning.strategy import (  # noqa: E402
+    RayDeepSpeedStrategy,
+    RayHorovodStrategy,
+    RayShardedStrategy,
+    RayStrategy,
+)
+from polytrain.lightning.tune import TuneReportCallback  # noqa: E402
+
+__all__ = [
+    "HorovodRayPlugin",
+    "RayDeepSpeedPlugin",
+    "RayDeepSpeedStrategy",
+    "RayHorovodStrategy",
+    "RayLauncher",
+    "RayPlugin",
+    "RayShardedPlugin",
+    "RayShardedStrategy",
+    "RayStrategy",
+    "TuneReportCallback",
+    "WorkerGroupEnvironment",
+]

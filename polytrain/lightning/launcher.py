@@ -1,0 +1,265 @@
+"""The Lightning launcher that runs a Trainer entry point on a polytrain worker group."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning_fabric.utilities import move_data_to_device
+from pytorch_lightning.strategies.launchers.launcher import _Launcher
+from pytorch_lightning.trainer.states import TrainerFn, TrainerState
+
+from polytrain.backends.torch_distributed import start_process_group
+from polytrain.launchers.worker import WORKER_STATE
+from polytrain.lightning.tune import TUNE_QUEUE_KEY, TuneReportCallback, report_to_tune
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _WorkerOutput:
+    """What rank 0 sends back to the driver after a Trainer entry point ran."""
+
+    trainer_state: TrainerState
+    trainer_results: Any
+    model_state: dict[str, Any] | None
+    callback_metrics: dict[str, Any]
+    logged_metrics: dict[str, Any]
+    progress_bar_metrics: dict[str, Any]
+    callback_states: list[dict[str, Any] | None]
+    logger_versions: list[Any]
+    loop_state: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class RayLauncher(_Launcher):
+    """Runs a Trainer entry point (``_fit_impl``, ``_test_impl``, ...) on Ray actors.
+
+    ``launch`` starts a :class:`~polytrain.launchers.worker_group.WorkerGroup`, lets
+    the strategy's backend connect the workers (``on_start``), sends one pickled
+    copy of the Trainer, the LightningModule and the call's arguments to every
+    actor, runs the entry point there and copies rank 0's results into the
+    driver's Trainer and LightningModule. The group is torn down after each call.
+    A worker's exception reaches the driver with its rank and remote traceback.
+
+    Args:
+        strategy: the :class:`~polytrain.lightning.RayStrategy` that owns this launcher.
+    """
+
+    def __init__(self, strategy: Any) -> None:
+        self._strategy = strategy
+        self._group: Any = None
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        """True: Ray actors start from notebooks (nothing is forked or re-run)."""
+        return True
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        """Run ``function(*args, **kwargs)`` on every worker; return rank 0's result.
+
+        Raises:
+            polytrain.errors.WorkerError: a worker raised (with its rank and traceback).
+            polytrain.errors.InsufficientResourcesError: the workers cannot be placed.
+        """
+        if trainer is None:
+            raise TypeError(
+                "RayLauncher.launch needs the Trainer (trainer=...): it runs Trainer entry "
+                "points (fit, validate, test, predict) only."
+            )
+        import ray
+
+        from polytrain.launchers.worker_group import WorkerGroup, ensure_ray
+
+        strategy = self._strategy
+        backend = strategy.backend
+        # Actors may run in another directory (or on another node): ship absolute paths.
+        _absolutize_paths(trainer)
+        ensure_ray(strategy.address)
+        group = WorkerGroup(
+            num_workers=strategy.num_workers,
+            num_cpus_per_worker=strategy.num_cpus_per_worker,
+            num_gpus_per_worker=1 if strategy.use_gpu else 0,
+            resources_per_worker=strategy.resources_per_worker,
+            placement_strategy=strategy.placement_strategy,
+            start_timeout_s=strategy.start_timeout_s,
+            env_vars=strategy._launcher_env_vars(),
+        )
+        group.start()
+        self._group = group
+        tune_queue = None
+        try:
+            tune_queue = _make_tune_queue(trainer)
+            ctx = strategy._context_template()
+            backend.on_start(group, ctx)
+            _ensure_torch_process_group(group, ctx)
+            # A bound Trainer method travels as its name: the Trainer copy inside the
+            # payload is the one it must run on.
+            if getattr(function, "__self__", None) is trainer:
+                function = function.__name__
+            payload = ray.put((trainer, function, args, kwargs))
+            refs = [
+                group.execute_single_async(
+                    rank, _run_on_worker, payload, info, device, os.getcwd(), tune_queue
+                )
+                for rank, (info, device) in enumerate(
+                    zip(group.rank_infos, group.device_indices, strict=True)
+                )
+            ]
+            poll = (lambda: _forward_tune_reports(tune_queue)) if tune_queue is not None else None
+            outputs = group.get(refs, on_poll=poll, poll_interval_s=0.2)
+            if tune_queue is not None:
+                _forward_tune_reports(tune_queue)
+        finally:
+            self._group = None
+            try:
+                backend.on_shutdown(group)
+            except Exception:  # noqa: BLE001 - shutdown goes on with dead workers
+                logger.debug("backend.on_shutdown failed", exc_info=True)
+            group.shutdown()
+            if tune_queue is not None:
+                tune_queue.shutdown()
+        output: _WorkerOutput = outputs[0]
+        _recover_results_in_main_process(output, trainer)
+        return output.trainer_results
+
+    def kill(self, signum: Any) -> None:
+        """Stop the workers now (Lightning calls this on a second Ctrl+C)."""
+        group = self._group
+        if group is not None:
+            group.shutdown()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_group"] = None  # actor handles stay with the driver
+        return state
+
+
+def _absolutize_paths(trainer: Any) -> None:
+    root = getattr(trainer, "_default_root_dir", None)
+    if isinstance(root, str) and "://" not in root:
+        trainer._default_root_dir = os.path.abspath(root)
+    for callback in trainer.checkpoint_callbacks:
+        dirpath = getattr(callback, "dirpath", None)
+        if isinstance(dirpath, str) and "://" not in dirpath:
+            callback.dirpath = os.path.abspath(dirpath)
+
+
+def _process_group_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _ensure_torch_process_group(group: Any, ctx: Any) -> None:
+    """A torch.distributed group for Lightning's own collectives, if the backend made none.
+
+    ``self.log(sync_dist=True)``, torchmetrics and Lightning's barriers talk
+    through torch.distributed. Backends built on it (ddp, fairscale, fsdp,
+    deepspeed) have set one up in ``on_start``; for the others (Horovod) a gloo
+    group next to the backend's own communication carries these small messages.
+    """
+    if ctx.world_size < 2 or all(group.execute(_process_group_ready)):
+        return
+    start_process_group(group, ctx, "gloo")
+
+
+def _make_tune_queue(trainer: Any) -> Any:
+    if not any(isinstance(cb, TuneReportCallback) for cb in trainer.callbacks):
+        return None
+    from ray.util.queue import Queue
+
+    # num_cpus=0: inside a Tune trial every CPU of the placement group is taken.
+    return Queue(actor_options={"num_cpus": 0})
+
+
+def _forward_tune_reports(queue: Any) -> None:
+    while not queue.empty():
+        report_to_tune(queue.get_nowait())
+
+
+def _to_cpu(data: Any) -> Any:
+    return move_data_to_device(data, torch.device("cpu"))
+
+
+def _run_on_worker(
+    payload: tuple[Any, Any, tuple, dict],
+    rank_info: Any,
+    device_index: int,
+    cwd: str,
+    tune_queue: Any,
+) -> _WorkerOutput | None:
+    """Worker: run the Trainer entry point on this worker's copy of the Trainer."""
+    trainer, function, args, kwargs = payload
+    try:
+        os.chdir(cwd)  # relative paths in the user's code mean what they mean on the driver
+    except OSError:
+        pass  # another node without that directory: absolute paths were shipped
+    if tune_queue is not None:
+        WORKER_STATE[TUNE_QUEUE_KEY] = tune_queue
+    strategy = trainer.strategy
+    strategy._set_worker_context(rank_info, device_index)
+    if isinstance(function, str):
+        function = getattr(trainer, function)
+    results = function(*args, **kwargs)
+    if rank_info.world_rank != 0:
+        return None
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    return _WorkerOutput(
+        trainer_state=trainer.state,
+        trainer_results=_to_cpu(results),
+        model_state=_to_cpu(strategy._final_model_state) if fitting else None,
+        callback_metrics=_to_cpu(dict(trainer.callback_metrics)),
+        logged_metrics=_to_cpu(dict(trainer.logged_metrics)),
+        progress_bar_metrics=_to_cpu(dict(trainer.progress_bar_metrics)),
+        callback_states=[_to_cpu(_callback_state(cb)) for cb in trainer.callbacks],
+        logger_versions=[getattr(lg, "version", None) for lg in trainer.loggers],
+        loop_state=_to_cpu(trainer.fit_loop.state_dict()) if fitting else None,
+    )
+
+
+def _callback_state(callback: Any) -> dict[str, Any] | None:
+    try:
+        state = callback.state_dict()
+    except Exception:  # noqa: BLE001 - a user callback whose state does not serialise
+        return None
+    if hasattr(callback, "dirpath"):
+        state = {**state, "dirpath": callback.dirpath}
+    return state
+
+
+def _recover_results_in_main_process(output: _WorkerOutput, trainer: Any) -> None:
+    """Driver: copy rank 0's weights, metrics, callback and loop state into the Trainer."""
+    if output.model_state is not None:
+        module = trainer.lightning_module
+        # Non-strict like Lightning's spawn launcher: configure_model/setup may have
+        # added layers on the workers that the driver's module never built.
+        missing, unexpected = module.load_state_dict(output.model_state, strict=False)
+        if missing or unexpected:
+            logger.warning(
+                "Loading the workers' weights into the driver's module: missing keys %s, "
+                "unexpected keys %s.",
+                missing,
+                unexpected,
+            )
+    trainer.state = output.trainer_state
+    trainer.callback_metrics.update(output.callback_metrics)
+    trainer.logged_metrics.update(output.logged_metrics)
+    trainer.progress_bar_metrics.update(output.progress_bar_metrics)
+    for callback, state in zip(trainer.callbacks, output.callback_states, strict=False):
+        if not state:
+            continue
+        if "dirpath" in state and hasattr(callback, "dirpath"):
+            callback.dirpath = state["dirpath"]
+        try:
+            callback.load_state_dict(state)
+        except Exception:  # noqa: BLE001 - keep the run's result even if one callback differs
+            logger.warning("Could not restore the state of callback %r", callback, exc_info=True)
+    for lg, version in zip(trainer.loggers, output.logger_versions, strict=False):
+        if version is not None and hasattr(lg, "_version"):
+            lg._version = version
+    if output.loop_state is not None:
+        trainer.fit_loop.load_state_dict(output.loop_state)

@@ -1,0 +1,43 @@
+"""The Lightning 1.x plugin names, kept so that old code fails with directions."""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+_REPLACEMENTS = {
+    "RayPlugin": "RayStrategy",
+    "HorovodRayPlugin": "RayHorovodStrategy",
+    "RayShardedPlugin": "RayShardedStrategy",
+    "RayDeepSpeedPlugin": "RayDeepSpeedStrategy",
+}
+
+
+class _RemovedPlugin:
+    """Raises on construction: Lightning 2.x takes distributed training as a strategy."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        name = type(self).__name__
+        replacement = _REPLACEMENTS[name]
+        given = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
+        raise TypeError(
+            f"{name}({given}) is the Lightning 1.x spelling, passed as "
+            f"`Trainer(plugins=[{name}(...)])`. Lightning 2.x takes distributed training as a "
+            f"strategy: use `Trainer(strategy={replacement}({given}))` with "
+            f"`from polytrain.lightning import {replacement}`."
+        )
+
+
+class RayPlugin(_RemovedPlugin):
+    """Lightning 1.x name; use ``Trainer(strategy=RayStrategy(...))``."""
+
+
+class HorovodRayPlugin(_RemovedPlugin):
+    """Lightning 1.x name; use ``Trainer(strategy=RayHorovodStrategy(...))``."""
+
+
+class RayShardedPlugin(_RemovedPlugin):
+    """Lightning 1.x name; use ``Trainer(strategy=RayShardedStrategy(...))``."""
+
+
+class RayDeepSpeedPlugin(_RemovedPlugin):
+    """Lightning 1.x name; use ``Trainer(strategy=RayDeepSpeedStrategy(...))``."""
