@@ -52,6 +52,10 @@ class ScalingConfig:
         start_timeout_s: fail if the workers cannot be placed within this many seconds.
         address: the Ray cluster to join ("auto", "ray://...", host:port); None uses a
             running instance or starts a local one.
+        min_workers: elastic training: after a failure, go on with as many workers as
+            the cluster can hold, down to ``min_workers`` (the global batch stays the
+            same, so each worker's batch grows), and grow back to ``num_workers`` at an
+            epoch boundary once resources return. None: always ``num_workers``.
     """
 
     num_workers: int = 1
@@ -61,9 +65,17 @@ class ScalingConfig:
     placement_strategy: str = "PACK"
     start_timeout_s: float = 30.0
     address: str | None = None
+    min_workers: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("num_workers", self.num_workers, 0)
+        if self.min_workers is not None:
+            _check_int("min_workers", self.min_workers, 1)
+            if self.min_workers > max(self.num_workers, 1) or self.num_workers == 0:
+                raise ConfigError(
+                    f"min_workers={self.min_workers} must be between 1 and num_workers="
+                    f"{self.num_workers} (and num_workers >= 1: local mode is not elastic)."
+                )
         if not isinstance(self.use_gpu, bool):
             raise ConfigError(f"use_gpu must be True or False; got {self.use_gpu!r}.")
         _check_number("num_cpus_per_worker", self.num_cpus_per_worker, 0)

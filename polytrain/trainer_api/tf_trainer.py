@@ -164,11 +164,13 @@ class TFTrainer(BaseTrainer):
             slowest worker) and ``samples_per_s``.
         """
         self._ensure_open()
+        self._maybe_grow()
         epoch = self.epoch
         results = self._run(tf_worker.train_epoch, epoch, num_steps, progress=f"epoch {epoch}")
         self.epoch = epoch + 1
         stats = _chief_stats(results, "epoch_time_s")
         stats["num_restarts"] = self.num_restarts
+        stats["num_workers"] = self.num_workers
         if self._keeps_state:  # the epoch-end state a restart resumes from
             path = self._remember(self.state_dict())
             if path is not None:

@@ -148,7 +148,9 @@ class TorchTrainer(BaseTrainer):
         self._start()
 
     @staticmethod
-    def _per_worker_config(config: dict[str, Any], num_workers: int) -> dict[str, Any]:
+    def _per_worker_config(
+        config: dict[str, Any], num_workers: int, warn: bool = True
+    ) -> dict[str, Any]:
         worker_config = dict(config)
         if "batch_size" in config:
             global_batch = config["batch_size"]
@@ -165,7 +167,7 @@ class TorchTrainer(BaseTrainer):
                 per_worker = split_batch_size(global_batch, num_workers)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-            if num_workers > 1 and global_batch % num_workers:
+            if warn and num_workers > 1 and global_batch % num_workers:
                 warnings.warn(
                     f"batch_size={global_batch} does not divide by num_workers={num_workers}: "
                     f"each worker uses {per_worker}, so the effective global batch is "
@@ -181,7 +183,7 @@ class TorchTrainer(BaseTrainer):
             creators=self.creators,
             operator_cls=self.operator_cls,
             backend=self.backend,
-            config=self.worker_config,
+            config=self._per_worker_config(self.config, len(group), warn=False),
             context=self._context_template(),
             scheduler_step_freq=self.scheduler_step_freq,
             add_dist_sampler=self.add_dist_sampler,
@@ -207,6 +209,7 @@ class TorchTrainer(BaseTrainer):
             whatever a custom operator's ``train_batch`` returns.
         """
         self._ensure_open()
+        self._maybe_grow()
         epoch = self.epoch
         results = self._run(
             torch_worker.train_epoch,
@@ -221,6 +224,7 @@ class TorchTrainer(BaseTrainer):
         stats = reduce_worker_stats(results)
         stats["epoch"] = epoch
         stats["num_restarts"] = self.num_restarts
+        stats["num_workers"] = self.num_workers
         if state is not None:
             path = self._remember(self._wrap_state(state))
             if path is not None:

@@ -186,6 +186,7 @@ class BaseTrainer:
         )
         self.epoch = 0
         self.num_restarts = 0
+        self._group_size = scaling.num_workers
         self._latest_state: dict[str, Any] | None = None
 
     @classmethod
@@ -213,13 +214,18 @@ class BaseTrainer:
 
     def _context_template(self) -> WorkerContext:
         return WorkerContext(
-            world_size=self.scaling.world_size,
+            world_size=max(self._group_size, 1),
             use_gpu=self.scaling.use_gpu,
             use_fp16=self.use_fp16,
             num_cpus=int(self.scaling.num_cpus_per_worker) or 1,
             local_mode=self.scaling.local_mode,
             timeout_s=self.failure.collective_timeout_s,
         )
+
+    @property
+    def num_workers(self) -> int:
+        """Workers in the running group (fewer than requested while shrunk by elastic training)."""
+        return self._group_size
 
     def _make_group(self) -> Any:
         env = self.backend.worker_env_vars()
@@ -229,7 +235,7 @@ class BaseTrainer:
 
         ensure_ray(self.scaling.address)
         return WorkerGroup(
-            num_workers=self.scaling.num_workers,
+            num_workers=self._group_size,
             num_cpus_per_worker=self.scaling.num_cpus_per_worker,
             num_gpus_per_worker=1 if self.scaling.use_gpu else 0,
             resources_per_worker=self.scaling.resources_per_worker,
@@ -335,12 +341,69 @@ class BaseTrainer:
                 self._shut_down = True
                 raise
 
-    def _restart(self) -> None:
-        """Start a fresh group and restore the latest epoch-end state into it."""
+    def _restart(self, num_workers: int | None = None) -> None:
+        """Start a fresh group and restore the latest epoch-end state into it.
+
+        With ``min_workers`` set, the new group has as many workers as the cluster
+        can hold now (at least ``min_workers``; waits up to ``start_timeout_s``).
+        """
         self._teardown_group()
+        if num_workers is None and self.scaling.min_workers is not None:
+            num_workers = self._elastic_size()
+        self._group_size = num_workers or self.scaling.num_workers
         self._start()
         if self._latest_state is not None:
             self.load_state_dict(self._latest_state)
+
+    def _placeable_workers(self) -> int:
+        """How many more worker bundles the cluster's free resources hold now."""
+        import ray
+
+        available = ray.available_resources()
+        bundle = {"CPU": float(self.scaling.num_cpus_per_worker)}
+        if self.scaling.use_gpu:
+            bundle["GPU"] = 1.0
+        bundle.update(self.scaling.resources_per_worker or {})
+        return int(min(available.get(k, 0.0) // v for k, v in bundle.items() if v > 0))
+
+    def _elastic_size(self) -> int:
+        """The group size for a restart: as many as fit, between min_workers and num_workers."""
+        from polytrain.errors import InsufficientResourcesError
+
+        minimum = self.scaling.min_workers or self.scaling.num_workers
+        time.sleep(1.0)  # freed resources reach the cluster's view (and pending demands) first
+        deadline = time.monotonic() + self.scaling.start_timeout_s
+        while True:
+            fits = min(self._placeable_workers(), self.scaling.num_workers)
+            if fits >= minimum:
+                if fits < self.scaling.num_workers:
+                    logger.warning(
+                        "Elastic training: continuing on %d of %d workers (min_workers=%d).",
+                        fits,
+                        self.scaling.num_workers,
+                        minimum,
+                    )
+                return fits
+            if time.monotonic() > deadline:
+                raise InsufficientResourcesError(
+                    f"After a failure the cluster holds only {fits} worker(s), fewer than "
+                    f"min_workers={minimum}, within start_timeout_s="
+                    f"{self.scaling.start_timeout_s:g}s. Add resources or lower min_workers."
+                )
+            time.sleep(0.5)
+
+    def _maybe_grow(self) -> None:
+        """At an epoch boundary: back to ``num_workers`` if a shrunk group now fits in full."""
+        if self._group_size >= self.scaling.num_workers or self._latest_state is None:
+            return
+        if self._placeable_workers() + self._group_size < self.scaling.num_workers:
+            return
+        logger.warning(
+            "Elastic training: resources are back; growing from %d to %d workers.",
+            self._group_size,
+            self.scaling.num_workers,
+        )
+        self._restart(self.scaling.num_workers)
 
     def _remember(self, state: dict[str, Any]) -> str | None:
         """Keep an epoch-end state for recovery; also write it to ``checkpoint_dir`` if set."""
@@ -354,7 +417,11 @@ class BaseTrainer:
 
     @property
     def _keeps_state(self) -> bool:
-        return self.failure.max_retries > 0 or self.checkpoint.checkpoint_dir is not None
+        return (
+            self.failure.max_retries > 0
+            or self.checkpoint.checkpoint_dir is not None
+            or self.scaling.min_workers is not None
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # pragma: no cover - overridden
         raise NotImplementedError

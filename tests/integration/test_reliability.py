@@ -224,3 +224,47 @@ def test_keyboard_interrupt_stops_workers(ray_start_4_cpus, tmp_path, no_leftove
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_elastic_shrinks_after_a_failure_keeps_the_global_batch_and_grows_back(
+    ray_start_4_cpus,
+):
+    ray = ray_start_4_cpus
+
+    @ray.remote(num_cpus=2)
+    class Hog:
+        def ready(self):
+            return True
+
+    trainer = TorchTrainer(
+        **DIGITS,
+        config={**CONFIG, "batch_size": 24},  # divisible by 3 and by 2
+        scaling_config={"num_workers": 3, "min_workers": 2, "start_timeout_s": 20},
+        failure_config={"max_retries": 2},
+    )
+    hog = None
+    try:
+        full = trainer.train()
+        # 3 of 4 CPUs are the workers'; this 2-CPU demand waits and takes the CPUs
+        # a failure frees, so the restarted group only fits 2 workers.
+        hog = Hog.remote()
+        killer = _Killer(trainer, rank=2, epoch=1, min_step=2)
+        killer.start()
+        shrunk = trainer.train()
+        killer.join(timeout=5)
+        assert ray.get(hog.ready.remote(), timeout=30)
+        per_worker_batches = trainer.apply_all_operators(lambda op: op.config["batch_size"])
+        ray.kill(hog)
+        hog = None
+        time.sleep(2)
+        grown = trainer.train()
+    finally:
+        if hog is not None:
+            ray.kill(hog)
+        trainer.shutdown()
+    assert full["num_workers"] == 3
+    assert shrunk["num_restarts"] == 1 and shrunk["num_workers"] == 2
+    assert per_worker_batches == [12, 12]  # global batch 24 kept: each of 2 workers takes 12
+    assert grown["num_workers"] == 3
+    # every training sample still seen once per epoch, at either size
+    assert shrunk["num_samples"] >= 1437 and grown["num_samples"] >= 1437
