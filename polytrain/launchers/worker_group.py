@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,6 +42,8 @@ def ensure_ray(address: str | None = None, runtime_env: dict | None = None) -> N
         return
     from ray._private.services import canonicalize_bootstrap_address
 
+    _check_reachable(address)
+
     try:
         existing = canonicalize_bootstrap_address(address)
     except Exception as exc:  # noqa: BLE001 - e.g. "auto" with no cluster running
@@ -67,6 +70,30 @@ def ensure_ray(address: str | None = None, runtime_env: dict | None = None) -> N
         ) from exc
 
 
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
+    """Fail at once on a ``host:port`` nobody listens on (ray.init would retry for minutes)."""
+    if not address or address in ("auto", "local"):
+        return
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        return  # let Ray parse and reject it
+    import socket
+
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ConnectionError(
+            f"Could not connect to Ray at address={address!r}: nothing answers at "
+            f"{host}:{port} ({exc}). Check the address (`ray status` on the head node shows "
+            f"it), or pass address=None to start a local instance."
+        ) from None
+
+
 def _describe_failure(exc: BaseException, rank: int, meta: WorkerMetadata | None) -> WorkerError:
     where = f" (pid {meta.pid} on {meta.node_ip})" if meta else ""
     if isinstance(exc, RayActorError):
@@ -75,7 +102,7 @@ def _describe_failure(exc: BaseException, rank: int, meta: WorkerMetadata | None
         )
     if isinstance(exc, RayTaskError):
         cause = exc.as_instanceof_cause()
-        remote_tb = str(exc)
+        remote_tb = _ANSI_ESCAPE.sub("", str(exc))
         error = WorkerError(
             f"Worker rank {rank}{where} raised {exc.cause.__class__.__name__}: {exc.cause}\n\n"
             f"Remote traceback (rank {rank}):\n{remote_tb}",

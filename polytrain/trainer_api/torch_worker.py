@@ -102,9 +102,25 @@ def setup_worker(setup: WorkerSetup, rank_info: Any, device_index: int) -> int:
         operator.setup(config)
     WORKER_STATE[_KEY] = operator
     try:
-        return len(components.train_loader)
+        num_batches = len(components.train_loader)
     except TypeError:
         return -1
+    if num_batches == 0:
+        raise ValueError(
+            f"The training data loader of rank {ctx.world_rank} has no batches (per-worker "
+            f"batch_size={config.get('batch_size')}, dataset size "
+            f"{_dataset_len(components.train_loader)}, drop_last="
+            f"{getattr(components.train_loader, 'drop_last', None)}). Give data_creator more data, "
+            f"lower batch_size or num_workers, or set drop_last=False."
+        )
+    return num_batches
+
+
+def _dataset_len(loader: Any) -> Any:
+    try:
+        return len(loader.dataset)
+    except (AttributeError, TypeError):
+        return "unknown"
 
 
 def _operator() -> TrainingOperator:
