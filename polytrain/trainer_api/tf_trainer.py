@@ -9,14 +9,13 @@ from typing import Any
 import numpy as np
 
 from polytrain.backends.base import Backend
-from polytrain.errors import ConfigError, CreatorError
+from polytrain.errors import CreatorError
 from polytrain.trainer_api import checkpoint as ckpt
 from polytrain.trainer_api import tf_worker
 from polytrain.trainer_api.config import (
     CheckpointConfig,
     FailureConfig,
     ScalingConfig,
-    merge_flat_options,
 )
 from polytrain.trainer_api.trainer import BaseTrainer
 
@@ -104,33 +103,19 @@ class TFTrainer(BaseTrainer):
         failure_config: FailureConfig | dict | None = None,
         checkpoint_config: CheckpointConfig | dict | None = None,
     ) -> None:
-        self._group = None  # so shutdown()/__del__ work if validation below fails
-        self._shut_down = False
-        scaling = merge_flat_options(
-            ScalingConfig,
-            scaling_config,
-            "scaling_config",
-            num_workers=num_workers,
-            use_gpu=use_gpu,
-            num_cpus_per_worker=num_cpus_per_worker,
-        )
-        if config is not None and not isinstance(config, dict):
-            raise ConfigError(f"config must be a dict; got {type(config).__name__}: {config!r}.")
-        self.config = dict(config or {})
-        batch = self.config.get("batch_size")
-        if "batch_size" in self.config and (
-            isinstance(batch, bool) or not isinstance(batch, int) or batch < 1
-        ):
-            raise ConfigError(
-                f"config['batch_size'] must be a positive int (the global batch); got {batch!r}."
-            )
         self.creators = tf_worker.TFCreators(model_creator, data_creator)
         super().__init__(
-            backend,
-            backend_config,
-            scaling,
-            merge_flat_options(FailureConfig, failure_config, "failure_config"),
-            merge_flat_options(CheckpointConfig, checkpoint_config, "checkpoint_config"),
+            backend=backend,
+            backend_config=backend_config,
+            config=config,
+            scaling_config=scaling_config,
+            failure_config=failure_config,
+            checkpoint_config=checkpoint_config,
+            scaling_shortcuts={
+                "num_workers": num_workers,
+                "use_gpu": use_gpu,
+                "num_cpus_per_worker": num_cpus_per_worker,
+            },
             use_fp16=False,
             use_tqdm=use_tqdm,
         )

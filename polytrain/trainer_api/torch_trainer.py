@@ -20,7 +20,6 @@ from polytrain.trainer_api.config import (
     CheckpointConfig,
     FailureConfig,
     ScalingConfig,
-    merge_flat_options,
 )
 from polytrain.trainer_api.creators import TorchCreators
 from polytrain.trainer_api.operator import TrainingOperator
@@ -99,23 +98,11 @@ class TorchTrainer(BaseTrainer):
         failure_config: FailureConfig | dict | None = None,
         checkpoint_config: CheckpointConfig | dict | None = None,
     ) -> None:
-        self._group = None  # so shutdown()/__del__ work if validation below fails
-        self._shut_down = False
-        scaling = merge_flat_options(
-            ScalingConfig,
-            scaling_config,
-            "scaling_config",
-            num_workers=num_workers,
-            use_gpu=use_gpu,
-            num_cpus_per_worker=num_cpus_per_worker,
-        )
         if scheduler_step_freq not in SCHEDULER_STEP_FREQS:
             raise ConfigError(
                 f"scheduler_step_freq={scheduler_step_freq!r} is not supported. Must be one of "
                 f"{SCHEDULER_STEP_FREQS}."
             )
-        if config is not None and not isinstance(config, dict):
-            raise ConfigError(f"config must be a dict; got {type(config).__name__}: {config!r}.")
         operator_cls = training_operator_cls or TrainingOperator
         if not (isinstance(operator_cls, type) and issubclass(operator_cls, TrainingOperator)):
             raise ConfigError(
@@ -130,21 +117,27 @@ class TorchTrainer(BaseTrainer):
                 "loss_creator is required by the default training step; pass one (e.g. "
                 "torch.nn.CrossEntropyLoss) or a training_operator_cls that overrides train_batch."
             )
-        self.config = dict(config or {})
-        self.worker_config = self._per_worker_config(self.config, scaling.num_workers)
+        super().__init__(
+            backend=backend,
+            backend_config=backend_config,
+            config=config,
+            scaling_config=scaling_config,
+            failure_config=failure_config,
+            checkpoint_config=checkpoint_config,
+            scaling_shortcuts={
+                "num_workers": num_workers,
+                "use_gpu": use_gpu,
+                "num_cpus_per_worker": num_cpus_per_worker,
+            },
+            use_fp16=use_fp16,
+            use_tqdm=use_tqdm,
+        )
+        # Validates the global batch against the worker count (and warns on a remainder).
+        self.worker_config = self._per_worker_config(self.config, self.scaling.num_workers)
         self.operator_cls = operator_cls
         self.scheduler_step_freq = scheduler_step_freq
         self.add_dist_sampler = add_dist_sampler
         self.check_finite_loss = check_finite_loss
-        super().__init__(
-            backend,
-            backend_config,
-            scaling,
-            merge_flat_options(FailureConfig, failure_config, "failure_config"),
-            merge_flat_options(CheckpointConfig, checkpoint_config, "checkpoint_config"),
-            use_fp16=use_fp16,
-            use_tqdm=use_tqdm,
-        )
         self._start()
 
     @staticmethod

@@ -10,10 +10,15 @@ from typing import Any, ClassVar
 
 from polytrain.backends.base import Backend, WorkerContext
 from polytrain.backends.registry import get_backend
-from polytrain.errors import TrainerShutdownError, WorkerDiedError, WorkerHangError
+from polytrain.errors import ConfigError, TrainerShutdownError, WorkerDiedError, WorkerHangError
 from polytrain.launchers.local import LocalWorkerGroup
 from polytrain.trainer_api import checkpoint as ckpt
-from polytrain.trainer_api.config import CheckpointConfig, FailureConfig, ScalingConfig
+from polytrain.trainer_api.config import (
+    CheckpointConfig,
+    FailureConfig,
+    ScalingConfig,
+    merge_flat_options,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -165,28 +170,52 @@ class BaseTrainer:
 
     def __init__(
         self,
+        *,
         backend: str | Backend,
         backend_config: Any,
-        scaling: ScalingConfig,
-        failure: FailureConfig,
-        checkpoint: CheckpointConfig,
+        config: dict[str, Any] | None,
+        scaling_config: ScalingConfig | dict | None,
+        failure_config: FailureConfig | dict | None,
+        checkpoint_config: CheckpointConfig | dict | None,
+        scaling_shortcuts: dict[str, Any],
         use_fp16: bool = False,
         use_tqdm: bool = False,
     ) -> None:
-        self._group: Any = None
+        """Validate the options every trainer shares; subclasses then call :meth:`_start`.
+
+        ``scaling_shortcuts`` are the flat keyword arguments (``num_workers=2``) that
+        override fields of ``scaling_config``; giving one both ways is an error.
+        """
+        self._group: Any = None  # first: shutdown() and the finalizer work if validation fails
         self._shut_down = False
-        self.backend = get_backend(backend, backend_config, framework=self.framework)
-        self.scaling = scaling
-        self.failure = failure
-        self.checkpoint = checkpoint
+        self.scaling = merge_flat_options(
+            ScalingConfig, scaling_config, "scaling_config", **scaling_shortcuts
+        )
+        self.failure = merge_flat_options(FailureConfig, failure_config, "failure_config")
+        self.checkpoint = merge_flat_options(
+            CheckpointConfig, checkpoint_config, "checkpoint_config"
+        )
+        if config is not None and not isinstance(config, dict):
+            raise ConfigError(f"config must be a dict; got {type(config).__name__}: {config!r}.")
+        self.config = dict(config or {})
+        batch = self.config.get("batch_size")
+        if "batch_size" in self.config and (
+            isinstance(batch, bool) or not isinstance(batch, int) or batch < 1
+        ):
+            raise ConfigError(
+                f"config['batch_size'] must be a positive int (the global batch); got {batch!r}."
+            )
         self.use_fp16 = bool(use_fp16)
         self.use_tqdm = bool(use_tqdm)
+        self.backend = get_backend(backend, backend_config, framework=self.framework)
         self.backend.validate_settings(
-            num_workers=scaling.num_workers, use_gpu=scaling.use_gpu, use_fp16=self.use_fp16
+            num_workers=self.scaling.num_workers,
+            use_gpu=self.scaling.use_gpu,
+            use_fp16=self.use_fp16,
         )
         self.epoch = 0
         self.num_restarts = 0
-        self._group_size = scaling.num_workers
+        self._group_size = self.scaling.num_workers
         self._latest_state: dict[str, Any] | None = None
 
     @classmethod
