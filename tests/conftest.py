@@ -19,6 +19,7 @@ _ENV_ALLOWED_TO_CHANGE = (
     "RAY_",
     "KMP_",
     "OMP_",
+    "TORCHINDUCTOR_CACHE_DIR",  # torch sets it once, at the first torch.optim optimizer
     "TF2_BEHAVIOR",
     "TPU_ML_PLATFORM",
     "HDF5_PLUGIN_PATH",
