@@ -83,7 +83,7 @@ class DDPBackend(Backend):
             find_unused_parameters=self.config.find_unused_parameters,
             gradient_as_bucket_view=self.config.gradient_as_bucket_view,
             static_graph=self.config.static_graph,
-            **_buffer_sync_kwargs(self.config.sync_buffers),
+            **buffer_sync_kwargs(self.config.sync_buffers),
         )
 
     def no_sync(self, components: Components) -> contextlib.AbstractContextManager:
@@ -95,7 +95,8 @@ class DDPBackend(Backend):
         return stack
 
 
-def _buffer_sync_kwargs(sync: bool) -> dict[str, bool]:
+def buffer_sync_kwargs(sync: bool) -> dict[str, bool]:
+    """DDP keyword arguments for syncing buffers from rank 0 before each forward."""
     # torch >= 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers.
     import inspect
 

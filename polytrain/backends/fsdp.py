@@ -1,0 +1,349 @@
+"""PyTorch FullyShardedDataParallel: parameters, gradients and optimizer state sharded.
+
+This backend uses torch's ``FullyShardedDataParallel`` class (FSDP1) with
+``use_orig_params=True``, not the per-module ``fully_shard`` API (FSDP2). Both
+train on CPU with gloo; FSDP1 is the one that offers every option this backend
+exposes as such: the sharding strategies FULL_SHARD / SHARD_GRAD_OP / NO_SHARD,
+a size-based auto-wrap policy and ``MixedPrecision``. ``use_orig_params=True``
+keeps the user's parameter objects (each becomes a view of its local shard), so
+an optimizer with several param groups and per-group options shards as it is.
+On CPU, FSDP1 needs ``device_id=torch.device("cpu")`` (without it, it looks for
+an accelerator); on GPU the worker's CUDA device.
+
+Checkpoints go through ``torch.distributed.checkpoint.state_dict`` (the
+supported replacement of ``FSDP.state_dict_type``): the full model state and the
+full optimizer state are gathered, and the optimizer state is re-keyed from
+parameter names to parameter indices, torch's own ``optimizer.state_dict()``
+format, so it loads into a plain torch optimizer of the same class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from polytrain.backends import _sharding
+from polytrain.backends.base import Backend, BackendConfig, Components, WorkerContext
+from polytrain.backends.torch_distributed import start_process_group, stop_process_group
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+AUTO_WRAP_POLICIES = ("size_based", "none")
+
+# components.extra keys: per optimizer, the index of its model and its params' names.
+_OWNERS = "fsdp.optimizer_owners"
+_NAMES = "fsdp.optimizer_param_names"
+# The attribute FSDP inserts into the names of the modules it wraps.
+_FSDP_PREFIX = "_fsdp_wrapped_module."
+
+
+@dataclass
+class FSDPConfig(BackendConfig):
+    """Options of the ``fsdp`` backend.
+
+    Attributes:
+        sharding_strategy: "FULL_SHARD" (parameters, gradients and optimizer state
+            sharded; ZeRO-3, default), "SHARD_GRAD_OP" (parameters gathered from forward
+            to backward; ZeRO-2) or "NO_SHARD" (replicated, like DDP; deprecated by torch).
+        auto_wrap_policy: "size_based" (default: every submodule tree with at least
+            ``min_num_params`` parameters becomes its own FSDP unit, so only one unit's
+            parameters are gathered at a time) or "none" (one unit: the whole model).
+        min_num_params: the size threshold of the "size_based" policy.
+        sync_module_states: broadcast rank 0's parameters and buffers when wrapping.
+        forward_prefetch: FSDP's flag: gather the next unit's parameters during forward.
+        limit_all_gathers: FSDP's flag: bound the memory of in-flight all-gathers.
+    """
+
+    sharding_strategy: str = "FULL_SHARD"
+    auto_wrap_policy: str = "size_based"
+    min_num_params: int = 100_000
+    sync_module_states: bool = True
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+
+    def __post_init__(self) -> None:
+        strategy = str(self.sharding_strategy).upper()
+        if strategy not in SHARDING_STRATEGIES:
+            raise ValueError(
+                f"The provided sharding_strategy ({self.sharding_strategy!r}) is not supported. "
+                f"Must be one of {', '.join(repr(s) for s in SHARDING_STRATEGIES)}."
+            )
+        self.sharding_strategy = strategy
+        if self.auto_wrap_policy not in AUTO_WRAP_POLICIES:
+            raise ValueError(
+                f"The provided auto_wrap_policy ({self.auto_wrap_policy!r}) is not supported. "
+                f"Must be one of {', '.join(repr(p) for p in AUTO_WRAP_POLICIES)}."
+            )
+        if isinstance(self.min_num_params, bool) or not isinstance(self.min_num_params, int):
+            raise ValueError(f"min_num_params must be a positive int; got {self.min_num_params!r}.")
+        if self.min_num_params < 1:
+            raise ValueError(f"min_num_params must be a positive int; got {self.min_num_params}.")
+
+
+class FSDPBackend(Backend):
+    """PyTorch FullyShardedDataParallel (gloo on CPU, nccl on GPU)."""
+
+    name = "fsdp"
+    framework = "torch"
+    config_cls = FSDPConfig
+    config: FSDPConfig
+
+    # ----------------------------------------------------------------- driver
+    def on_start(self, group: Any, ctx_template: WorkerContext) -> None:
+        """Driver: one ``torch.distributed`` process group over all workers."""
+        start_process_group(group, ctx_template)
+
+    def on_shutdown(self, group: Any) -> None:
+        """Driver: destroy the process groups (dead workers are fine)."""
+        stop_process_group(group)
+
+    # ----------------------------------------------------------------- worker
+    def prepare(self, components: Components, ctx: WorkerContext) -> Components:
+        """Worker: wrap every trainable model in FSDP; rebuild the optimizers over its shards.
+
+        The optimizers the creator built hold the full parameters; each is replaced
+        by one of the same class, defaults and param groups (per-group options kept)
+        over the wrapped model's parameters, and the schedulers are rebound to it.
+        In local mode (no process group) nothing is wrapped.
+        """
+        if not _sharding.shards(ctx):
+            return components
+        owners = [_sharding.owner_index(o, components.models) for o in components.optimizers]
+        names_by_model = [_sharding.named_param_ids(m) for m in components.models]
+        param_names = [
+            _sharding.optimizer_param_names(o, names_by_model[i]) if i is not None else None
+            for o, i in zip(components.optimizers, owners, strict=True)
+        ]
+        param_map: dict[int, torch.nn.Parameter] = {}
+        wrapped = []
+        for model, names in zip(components.models, names_by_model, strict=True):
+            if not _sharding.trainable(model):
+                wrapped.append(model)
+                continue
+            fsdp_model = self._wrap(model, ctx)
+            param_map.update(_param_map(names, fsdp_model))
+            wrapped.append(fsdp_model)
+        components.models = wrapped
+        _sharding.replace_optimizers(
+            components, lambda optimizer: _sharding.rebuild_optimizer(optimizer, param_map)
+        )
+        components.extra[_OWNERS] = owners
+        components.extra[_NAMES] = param_names
+        return components
+
+    def _wrap(self, model: torch.nn.Module, ctx: WorkerContext) -> torch.nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+        sync = self.config.sync_module_states
+        if sync and ctx.device.type == "cpu":
+            # FSDP's own sync_module_states insists on an accelerator: broadcast here.
+            _broadcast_from_rank0(model)
+            sync = False
+        policy = None
+        if self.config.auto_wrap_policy == "size_based":
+            policy = functools.partial(
+                size_based_auto_wrap_policy, min_num_params=self.config.min_num_params
+            )
+        return FullyShardedDataParallel(
+            model,
+            sharding_strategy=ShardingStrategy[self.config.sharding_strategy],
+            auto_wrap_policy=policy,
+            mixed_precision=self._mixed_precision(ctx),
+            device_id=ctx.device,
+            sync_module_states=sync,
+            forward_prefetch=self.config.forward_prefetch,
+            limit_all_gathers=self.config.limit_all_gathers,
+            use_orig_params=True,
+        )
+
+    @staticmethod
+    def _mixed_precision(ctx: WorkerContext) -> Any:
+        if not ctx.use_fp16:
+            return None
+        from torch.distributed.fsdp import MixedPrecision
+
+        # fp16 on GPU (with a ShardedGradScaler); bf16 on CPU, where fp16 kernels are slow
+        # or missing. Buffers (e.g. BatchNorm statistics) stay in full precision.
+        dtype = torch.float16 if ctx.device.type == "cuda" else torch.bfloat16
+        return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype)
+
+    def autocast(self, ctx: WorkerContext) -> contextlib.AbstractContextManager:
+        """Worker: none when FSDP's MixedPrecision casts parameters and inputs itself."""
+        if _sharding.shards(ctx):
+            return contextlib.nullcontext()
+        return super().autocast(ctx)
+
+    def make_scaler(self, ctx: WorkerContext) -> Any:
+        """Worker: FSDP's ShardedGradScaler for fp16 on GPU (inf checks span the shards)."""
+        if ctx.use_fp16 and ctx.device.type == "cuda" and not ctx.local_mode:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            return ShardedGradScaler()
+        return super().make_scaler(ctx)
+
+    def no_sync(self, components: Components) -> contextlib.AbstractContextManager:
+        """Worker: FSDP's ``no_sync`` (unsharded gradients accumulate until the next sync)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        stack = contextlib.ExitStack()
+        for model in components.models:
+            if isinstance(model, FullyShardedDataParallel):
+                stack.enter_context(model.no_sync())
+        return stack
+
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Worker: the user's module (its submodules may still hold nested FSDP units)."""
+        return getattr(model, "module", model)
+
+    def full_state_dict(self, components: Components, ctx: WorkerContext) -> dict[str, Any] | None:
+        """Worker (all ranks, collective): full model and optimizer states, in torch's format.
+
+        On GPU the gathered tensors are offloaded to CPU and only rank 0 keeps them;
+        on CPU every rank materialises them briefly (torch's CPU offload path crashes
+        when the tensors already are on the CPU).
+        """
+        if not _sharding.shards(ctx):
+            return super().full_state_dict(components, ctx)
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = self._state_dict_options(ctx, saving=True)
+        models = [
+            get_model_state_dict(m, options=options) if _is_fsdp(m) else m.state_dict()
+            for m in components.models
+        ]
+        optimizers = []
+        for optimizer, model, names in self._owned(components):
+            if model is None or not _is_fsdp(model):
+                optimizers.append(optimizer.state_dict())
+                continue
+            fresh = not optimizer.state
+            by_name = get_optimizer_state_dict(model, optimizer, options=options)
+            if fresh:
+                # An empty state is initialised with a zero-lr step first; undo it, or Adam's
+                # first real step would count as its second.
+                optimizer.state.clear()
+                by_name["state"] = {}
+            optimizers.append(_index_keyed(by_name, names) if ctx.world_rank == 0 else None)
+        if ctx.world_rank != 0:
+            return None
+        return {"models": models, "optimizers": optimizers}
+
+    def load_full_state_dict(
+        self, components: Components, state: dict[str, Any], ctx: WorkerContext
+    ) -> None:
+        """Worker (every rank, collective): load a full torch-format state; each rank keeps its shard."""
+        if not _sharding.shards(ctx):
+            super().load_full_state_dict(components, state, ctx)
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = self._state_dict_options(ctx, saving=False)
+        for model, model_state in zip(components.models, state["models"], strict=True):
+            if _is_fsdp(model):
+                set_model_state_dict(model, model_state, options=options)
+            else:
+                model.load_state_dict(model_state)
+        states = _sharding.portable_optimizer_states(state.get("optimizers"))
+        if states is None:
+            return
+        for (optimizer, model, names), optimizer_state in zip(
+            self._owned(components), states, strict=True
+        ):
+            if optimizer_state is None:
+                continue
+            if model is None or not _is_fsdp(model):
+                optimizer.load_state_dict(optimizer_state)
+                continue
+            by_name = _name_keyed(optimizer_state, names)
+            set_optimizer_state_dict(model, optimizer, by_name, options=options)
+            # Loading initialises an empty state with a zero-lr step first: drop what the
+            # checkpoint has no state for (e.g. an optimizer saved before its first step).
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            for param, name in zip(params, names, strict=True):
+                if name not in by_name["state"]:
+                    optimizer.state.pop(param, None)
+
+    @staticmethod
+    def _state_dict_options(ctx: WorkerContext, saving: bool) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(
+            full_state_dict=True, cpu_offload=saving and ctx.device.type == "cuda"
+        )
+
+    def _owned(
+        self, components: Components
+    ) -> list[tuple[torch.optim.Optimizer, torch.nn.Module | None, list[str] | None]]:
+        """``(optimizer, its model or None, its params' names)`` for every optimizer."""
+        owners = components.extra[_OWNERS]
+        names = components.extra[_NAMES]
+        return [
+            (o, components.models[i] if i is not None else None, n)
+            for o, i, n in zip(components.optimizers, owners, names, strict=True)
+        ]
+
+
+def _broadcast_from_rank0(model: torch.nn.Module) -> None:
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+
+def _is_fsdp(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return isinstance(model, FullyShardedDataParallel)
+
+
+def _param_map(names: dict[int, str], fsdp_model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
+    """``id(original param) -> the wrapped model's param`` by name.
+
+    With ``use_orig_params=True`` FSDP keeps the parameter objects, so this is the
+    identity; matching by name keeps the rebuild right should a wrapper replace them.
+    """
+    by_name = {n.replace(_FSDP_PREFIX, ""): p for n, p in fsdp_model.named_parameters()}
+    return {pid: by_name[name] for pid, name in names.items() if name in by_name}
+
+
+def _index_keyed(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A name-keyed optimizer state (torch.distributed.checkpoint) in torch's index-keyed format."""
+    index = {name: i for i, name in enumerate(names)}
+    groups = []
+    for group in state["param_groups"]:
+        groups.append({**group, "params": [index[name] for name in group["params"]]})
+    by_index = {index[name]: value for name, value in state["state"].items()}
+    return {"state": dict(sorted(by_index.items())), "param_groups": groups}
+
+
+def _name_keyed(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A torch index-keyed optimizer state keyed by parameter names, as FSDP loads it.
+
+    Raises:
+        ValueError: the state does not have one entry per parameter of the optimizer.
+    """
+    indices = [i for group in state["param_groups"] for i in group["params"]]
+    if len(indices) != len(names):
+        raise ValueError(
+            f"The checkpoint's optimizer state covers {len(indices)} parameters; this "
+            f"optimizer has {len(names)}. Load a checkpoint of the same model and optimizer."
+        )
+    name_of = dict(zip(indices, names, strict=True))
+    return {
+        "state": {name_of[i]: value for i, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [name_of[i] for i in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }
