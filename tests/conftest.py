@@ -105,3 +105,73 @@ def no_leftover_actors(ray_start_4_cpus):
         f"Actors or placement groups left behind: available {ray.available_resources()} of "
         f"{ray.cluster_resources()}"
     )
+
+
+# ------------------------------------------------------------------ RELIABILITY.md
+# The reliability figures come from the test run itself: every fault-injection, hang and
+# bad-input test's outcome is collected and, when the fault-injection tests ran, written
+# to RELIABILITY.md at the end of the session.
+_RELIABILITY_FILES = ("test_reliability.py", "test_bad_input.py")
+_reliability_outcomes: dict[str, str] = {}
+
+
+def pytest_runtest_logreport(report):
+    if not report.nodeid.split("::")[0].endswith(_RELIABILITY_FILES):
+        return
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        _reliability_outcomes[report.nodeid] = report.outcome
+    elif report.when == "teardown" and report.outcome == "failed":
+        _reliability_outcomes[report.nodeid] = "failed"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    faults = {
+        nodeid.split("[", 1)[1].rstrip("]"): outcome
+        for nodeid, outcome in _reliability_outcomes.items()
+        if "test_sigkilled_worker_is_replaced" in nodeid and "[" in nodeid
+    }
+    if not faults:
+        return
+    import datetime
+    import platform
+
+    def count(pattern: str) -> tuple[int, int]:
+        runs = [o for n, o in _reliability_outcomes.items() if pattern in n and o != "skipped"]
+        return len(runs), sum(o == "passed" for o in runs)
+
+    lines = [
+        "# Reliability record",
+        "",
+        f"Written by the test run of {datetime.date.today()} on {platform.machine()} "
+        f"({os.cpu_count()} CPU cores), `pytest tests/integration/test_reliability.py "
+        f"tests/integration/test_bad_input.py`. Regenerated whenever those tests run.",
+        "",
+        "## Worker killed with SIGKILL in the middle of epoch 2 of 4 (max_retries=3)",
+        "",
+        "Survived = training completed, exactly 1 restart, final validation loss within 10% "
+        "of an uninjected run with the same seed.",
+        "",
+        "| backend | faults injected | survived |",
+        "|---|---|---|",
+    ]
+    for case, outcome in sorted(faults.items()):
+        injected = 0 if outcome == "skipped" else 1
+        lines.append(f"| {case} | {injected} | {int(outcome == 'passed')} |")
+    hang_runs, hang_ok = count("test_hang_")
+    elastic_runs, elastic_ok = count("test_elastic_")
+    bad_runs, bad_ok = count("test_bad_input.py")
+    lines += [
+        "",
+        "## Hangs, elastic restarts, bad input",
+        "",
+        "| check | tried | passed |",
+        "|---|---|---|",
+        f"| hang detected within hang_timeout_s + 10 s, stuck rank and stacks reported, "
+        f"then raised or recovered | {hang_runs} | {hang_ok} |",
+        f"| elastic: shrink after a failure, keep the global batch, grow back | "
+        f"{elastic_runs} | {elastic_ok} |",
+        f"| bad inputs (one test per row of the README's table; clear error, no actor left) | "
+        f"{bad_runs} | {bad_ok} |",
+        "",
+    ]
+    (REPO_ROOT / "RELIABILITY.md").write_text("\n".join(lines))
