@@ -68,6 +68,17 @@ class WorkerContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     timeout_s: float = 1800.0
 
+    def for_rank(self, info: Any) -> WorkerContext:
+        """A copy placed at ``info``'s ranks (a :class:`~polytrain.launchers.ranks.RankInfo`)."""
+        return dataclasses.replace(
+            self,
+            world_rank=info.world_rank,
+            local_rank=info.local_rank,
+            world_size=info.world_size,
+            local_world_size=info.local_world_size,
+            node_rank=info.node_rank,
+        )
+
     @property
     def is_distributed(self) -> bool:
         """True when there is more than one worker to talk to."""

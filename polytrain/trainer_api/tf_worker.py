@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from polytrain.backends.base import Components, WorkerContext
@@ -105,14 +105,7 @@ def setup_worker(setup: TFWorkerSetup, rank_info: Any) -> int:
         The number of training steps per epoch, or -1 when the data set's length is
         unknown or infinite.
     """
-    ctx = replace(
-        setup.context,
-        world_rank=rank_info.world_rank,
-        local_rank=rank_info.local_rank,
-        world_size=rank_info.world_size,
-        local_world_size=rank_info.local_world_size,
-        node_rank=rank_info.node_rank,
-    )
+    ctx = setup.context.for_rank(rank_info)
     import tensorflow as tf
 
     if not ctx.local_mode:

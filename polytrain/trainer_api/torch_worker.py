@@ -7,7 +7,7 @@ builds in the worker's ``WORKER_STATE``.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,14 +48,7 @@ def _device_for(ctx: WorkerContext, device_index: int) -> torch.device:
 
 def setup_worker(setup: WorkerSetup, rank_info: Any, device_index: int) -> int:
     """Build this worker's components with the creators and let the backend prepare them."""
-    ctx = replace(
-        setup.context,
-        world_rank=rank_info.world_rank,
-        local_rank=rank_info.local_rank,
-        world_size=rank_info.world_size,
-        local_world_size=rank_info.local_world_size,
-        node_rank=rank_info.node_rank,
-    )
+    ctx = setup.context.for_rank(rank_info)
     ctx.device = _device_for(ctx, device_index)
     if not ctx.local_mode:
         torch.set_num_threads(max(1, int(ctx.num_cpus)))
