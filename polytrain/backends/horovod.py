@@ -355,11 +355,8 @@ class HorovodBackend(Backend):
                 if self._owns_local_init:
                     _shutdown_worker()
                     self._owns_local_init = False
-            elif getattr(group, "actors", None):
-                import ray
-
-                refs = group.execute_async(_shutdown_worker)
-                ray.wait(refs, num_returns=len(refs), timeout=_SHUTDOWN_WAIT_S)
+            else:
+                group.execute_best_effort(_shutdown_worker, timeout_s=_SHUTDOWN_WAIT_S)
         except Exception:  # noqa: BLE001 - dead workers must not stop the shutdown
             logger.debug("Horovod shutdown in the workers failed", exc_info=True)
         finally:

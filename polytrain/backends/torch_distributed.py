@@ -13,6 +13,10 @@ from polytrain.backends.base import WorkerContext
 from polytrain.launchers.ranks import torch_distributed_env
 from polytrain.launchers.worker import find_free_port
 
+# True in a process whose default process group polytrain created: only that one is
+# destroyed on shutdown (in local mode the driver may hold a process group of its own).
+_created_here = False
+
 
 def _init_process_group(
     backend: str,
@@ -22,9 +26,11 @@ def _init_process_group(
     timeout_s: float,
     env: dict[str, str],
 ) -> None:
+    global _created_here
     os.environ.update(env)
     if dist.is_initialized():
         dist.destroy_process_group()
+    _created_here = True
     dist.init_process_group(
         backend=backend,
         init_method=init_method,
@@ -35,8 +41,10 @@ def _init_process_group(
 
 
 def _destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
+    global _created_here
+    if _created_here and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _created_here = False
 
 
 def default_dist_backend(use_gpu: bool) -> str:
@@ -75,15 +83,7 @@ def start_process_group(group: Any, ctx: WorkerContext, dist_backend: str | None
 
 def stop_process_group(group: Any) -> None:
     """Driver: destroy the process groups; tolerate dead workers."""
-    if not getattr(group, "actors", None) or len(group) == 0:
-        return
-    try:
-        import ray
-
-        refs = group.execute_async(_destroy_process_group)
-        ray.wait(refs, num_returns=len(refs), timeout=5)
-    except Exception:  # noqa: BLE001 - dead or local workers
-        pass
+    group.execute_best_effort(_destroy_process_group, timeout_s=5.0)
 
 
 def module_device_ids(ctx: WorkerContext) -> list[int] | None:

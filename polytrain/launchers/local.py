@@ -68,6 +68,13 @@ class LocalWorkerGroup:
         """Run ``fn`` in this process and return its result."""
         return fn(*args, **kwargs)
 
+    def execute_best_effort(self, fn: Callable[..., Any], timeout_s: float = 5.0) -> None:
+        """Run ``fn`` in this process; failures are ignored (clean-up on shutdown)."""
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - best effort by definition
+            pass
+
     def monitor(self, method: str, timeout_s: float = 10.0) -> list[Any]:
         """Call a monitor method of the in-process worker."""
         return [getattr(self.worker, method)()]

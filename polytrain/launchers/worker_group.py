@@ -276,6 +276,20 @@ class WorkerGroup:
         """Run ``fn`` on the worker of world rank ``rank`` and return its result."""
         return self.get([self.execute_single_async(rank, fn, *args, **kwargs)], ranks=[rank])[0]
 
+    def execute_best_effort(self, fn: Callable[..., Any], timeout_s: float = 5.0) -> None:
+        """Run ``fn`` on every worker, waiting at most ``timeout_s``; failures are ignored.
+
+        For clean-up on shutdown: a dead worker, or one stuck in a collective with a
+        dead peer, must not hold the driver up (the group kills them afterwards).
+        """
+        if not self.actors:
+            return
+        try:
+            refs = self.execute_async(fn)
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - best effort by definition
+            logger.debug("best-effort call %s failed", getattr(fn, "__name__", fn), exc_info=True)
+
     def monitor(self, method: str, timeout_s: float = 10.0) -> list[Any]:
         """Call a monitor method (``progress``, ``stacks``, ``ping``) on every worker.
 
