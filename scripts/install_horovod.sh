@@ -41,12 +41,14 @@ export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
        HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_TENSORFLOW=1
 export MAKEFLAGS="-j$(nproc)"
 # horovod's own setup needs these before the build starts (no build isolation).
+# Plain horovod, not horovod[ray]: that extra pins google-api-core<2.9 (protobuf<5), which
+# breaks TensorFlow; polytrain uses only horovod's gloo rendezvous, not horovod.ray.
 python -m pip install -q --disable-pip-version-check cloudpickle psutil pyyaml packaging
 if ! python -m pip install --disable-pip-version-check --no-build-isolation \
-      -v "horovod[ray]==0.28.1" > "${HOROVOD_BUILD_LOG:-/tmp/horovod-build.log}" 2>&1; then
+      -v "horovod==0.28.1" > "${HOROVOD_BUILD_LOG:-/tmp/horovod-build.log}" 2>&1; then
   echo "horovod build FAILED; the last lines of ${HOROVOD_BUILD_LOG:-/tmp/horovod-build.log}:" >&2
   tail -n 40 "${HOROVOD_BUILD_LOG:-/tmp/horovod-build.log}" >&2
   echo "Retry with: bash scripts/install_horovod.sh   (polytrain keeps working without the horovod backend)" >&2
   exit 1
 fi
-python -c "import horovod.torch as hvd; print('horovod', hvd.__version__ if hasattr(hvd,'__version__') else '', 'gloo built:', hvd.gloo_built())"
+python -c "import horovod.torch as hvd; print('horovod gloo built:', hvd.gloo_built())"

