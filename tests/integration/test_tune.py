@@ -7,12 +7,13 @@ import pytest
 tune = pytest.importorskip("ray.tune")
 
 import contextlib  # noqa: E402
+import os  # noqa: E402
 
 import torch  # noqa: E402
 from ray.tune.schedulers import ASHAScheduler  # noqa: E402
 
 from examples import digits  # noqa: E402
-from polytrain import TorchTrainer  # noqa: E402
+from polytrain import TorchTrainer, TrainingOperator  # noqa: E402
 from polytrain.backends.registry import available_backends  # noqa: E402
 from polytrain.errors import ConfigError  # noqa: E402
 from polytrain.tune import CHECKPOINT_FILE, tune_resources  # noqa: E402
@@ -142,3 +143,37 @@ def test_lightning_strategy_reports_to_tune(tmp_path, ray_start_4_cpus, no_lefto
     assert result.metrics["training_iteration"] == 2  # one report per validation run
     assert result.metrics["epoch"] == 1
     assert result.metrics["acc"] > 0.3  # 20 steps: learning has started (chance is 0.1)
+
+
+class FailOnceInEpoch2(TrainingOperator):
+    """Raises once, in the third epoch, so Tune must restore the trial from its checkpoint."""
+
+    def train_batch(self, batch, batch_info):
+        marker = self.config["fail_marker"]
+        if batch_info["epoch"] == 2 and not os.path.exists(marker):
+            open(marker, "w").close()
+            raise RuntimeError("trial fails once on purpose")
+        return super().train_batch(batch, batch_info)
+
+
+def test_restored_trial_resumes_from_its_checkpoint(tmp_path, ray_start_4_cpus, no_leftover_actors):
+    """Tune restarts a failed trial from its last checkpoint (the path PBT exploits take)."""
+    trainable = TorchTrainer.as_trainable(
+        model_creator=digits.model_creator,
+        data_creator=digits.data_creator,
+        optimizer_creator=digits.optimizer_creator,
+        loss_creator=torch.nn.CrossEntropyLoss,
+        training_operator_cls=FailOnceInEpoch2,
+        config={"batch_size": 32, "fail_marker": str(tmp_path / "failed")},
+        num_workers=1,
+        num_epochs=4,
+        num_steps=3,
+    )
+    run_config = _run_config(tmp_path, "restore")
+    run_config.failure_config = tune.FailureConfig(max_failures=1)
+    tuner = tune.Tuner(trainable, param_space={"lr": 0.1}, run_config=run_config)
+    (result,) = tuner.fit()
+    assert result.error is None
+    assert (tmp_path / "failed").exists()
+    # Fresh start would report epochs 1, 2, 1, 2, 3, 4; a restore continues after epoch 2.
+    assert list(result.metrics_dataframe["epoch"]) == [1, 2, 3, 4]
