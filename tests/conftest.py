@@ -21,6 +21,7 @@ _ENV_ALLOWED_TO_CHANGE = (
     "OMP_",
     "TORCHINDUCTOR_CACHE_DIR",  # torch sets it once, at the first torch.optim optimizer
     "TF2_BEHAVIOR",
+    "TF_USE_LEGACY_KERAS",  # once TensorFlow is imported with tf_keras, the process keeps it
     "TPU_ML_PLATFORM",
     "HDF5_PLUGIN_PATH",
     "ENABLE_RUNTIME_UPTIME_TELEMETRY",
