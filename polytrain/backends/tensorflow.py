@@ -291,14 +291,14 @@ class MultiWorkerMirroredBackend(Backend):
 
     def backward(self, loss: Any, components: Components) -> None:
         """Worker: not used: ``model.fit`` computes and applies the gradients."""
-        raise NotImplementedError(
+        raise TypeError(
             "The mwms backend trains through model.fit; customise the step by overriding "
             "train_step in your Keras model."
         )
 
     def step(self, components: Components, optimizer_index: int | None = None) -> None:
         """Worker: not used: ``model.fit`` applies the gradients."""
-        raise NotImplementedError(
+        raise TypeError(
             "The mwms backend trains through model.fit; customise the step by overriding "
             "train_step in your Keras model."
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import logging
 import time
 import weakref
@@ -160,7 +161,7 @@ def _shutdown_group(backend: Backend, group: Any) -> None:
     group.shutdown()
 
 
-class BaseTrainer:
+class BaseTrainer(abc.ABC):
     """Shared driver logic: start the group, run worker functions, tear down on failure.
 
     Subclasses set ``framework`` and implement :meth:`_setup_workers`.
@@ -286,8 +287,9 @@ class BaseTrainer:
         # Release the actors even if the user never calls shutdown().
         self._finalizer = weakref.finalize(self, _shutdown_group, self.backend, group)
 
+    @abc.abstractmethod
     def _setup_workers(self, group: Any) -> None:
-        raise NotImplementedError  # pragma: no cover - every trainer overrides it
+        """Driver: build the framework's components in every worker of a new group."""
 
     def _ensure_open(self) -> None:
         if self._shut_down:
@@ -452,8 +454,9 @@ class BaseTrainer:
             or self.scaling.min_workers is not None
         )
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a checkpoint dict on every worker (also used to resume after a restart)."""
 
     def _teardown_group(self) -> None:
         group, self._group = self._group, None
