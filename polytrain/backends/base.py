@@ -15,9 +15,10 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +53,36 @@ class BackendConfig:
         )
 
 
+class _DeviceField:
+    """The ``device`` field of :class:`WorkerContext`: ``torch.device("cpu")`` unless set.
+
+    torch is imported only when a worker reads the default: a context travels to
+    every worker, and TensorFlow workers must not pay for importing torch.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._attr = "_" + name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return None  # the dataclass default: "not set"
+        value = obj.__dict__.get(self._attr)
+        if value is None:
+            import torch
+
+            value = torch.device("cpu")
+        return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self._attr] = value
+
+
 @dataclass
 class WorkerContext:
-    """What a worker knows about its place in the group (worker side)."""
+    """What a worker knows about its place in the group (worker side).
+
+    ``device`` is the torch device the worker computes on (the CPU unless set).
+    """
 
     world_rank: int = 0
     local_rank: int = 0
@@ -65,13 +93,14 @@ class WorkerContext:
     use_fp16: bool = False
     num_cpus: int = 1
     local_mode: bool = False
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    device: torch.device = _DeviceField()  # type: ignore[assignment]
     timeout_s: float = 1800.0
 
     def for_rank(self, info: Any) -> WorkerContext:
         """A copy placed at ``info``'s ranks (a :class:`~polytrain.launchers.ranks.RankInfo`)."""
         return dataclasses.replace(
             self,
+            device=self.__dict__.get("_device"),  # unset stays unset (no torch import)
             world_rank=info.world_rank,
             local_rank=info.local_rank,
             world_size=info.world_size,
@@ -181,6 +210,8 @@ class Backend(abc.ABC):
         """
         if not ctx.use_fp16:
             return contextlib.nullcontext()
+        import torch
+
         if ctx.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.float16)
         return torch.autocast("cpu", dtype=torch.bfloat16)
@@ -188,6 +219,8 @@ class Backend(abc.ABC):
     def make_scaler(self, ctx: WorkerContext) -> Any:
         """Worker: a GradScaler when fp16 gradients need one (GPU), else ``None``."""
         if ctx.use_fp16 and ctx.device.type == "cuda":
+            import torch
+
             return torch.amp.GradScaler("cuda")
         return None
 
@@ -224,6 +257,8 @@ class Backend(abc.ABC):
     def worker_scope(self, ctx: WorkerContext) -> Iterator[None]:
         """Worker: a context around every call into the worker (e.g. the CUDA device)."""
         if ctx.device.type == "cuda":
+            import torch
+
             with torch.cuda.device(ctx.device):
                 yield
         else:

@@ -20,8 +20,6 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from polytrain.errors import CheckpointError
 
 FORMAT = "polytrain"
@@ -61,6 +59,8 @@ def atomic_write(path: str | os.PathLike, write: Any) -> Path:
 
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> Path:
     """Validate ``state`` and write it atomically to ``path``."""
+    import torch  # here, not at the top: a TensorFlow driver imports torch only to save
+
     validate_checkpoint(state, str(path))
     return atomic_write(path, lambda handle: torch.save(state, handle))
 
@@ -72,6 +72,8 @@ def load_checkpoint(path: str | os.PathLike, framework: str | None = None) -> di
         CheckpointError: missing, truncated, corrupted, not a polytrain checkpoint, or
             written by a trainer of another framework.
     """
+    import torch
+
     path = Path(path).expanduser()
     if not path.is_file():
         raise CheckpointError(f"Checkpoint {str(path)!r} does not exist (or is not a file).")

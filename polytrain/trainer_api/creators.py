@@ -5,11 +5,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from polytrain.errors import CreatorError
+
+if TYPE_CHECKING:
+    import torch
 
 _SIGNATURES = {
     "model_creator": "model_creator(config) -> nn.Module (or a tuple of them)",
@@ -98,6 +99,8 @@ class TorchCreators:
 
     def create_models(self, config: dict) -> tuple[torch.nn.Module, ...]:
         """Call ``model_creator`` and check it built modules."""
+        import torch
+
         return check_return(
             "model_creator",
             self.model_creator(config),
@@ -109,6 +112,8 @@ class TorchCreators:
         self, models: tuple[torch.nn.Module, ...], config: dict
     ) -> tuple[Any, ...]:
         """Call ``optimizer_creator`` with the model (or the tuple of models)."""
+        import torch
+
         arg = models[0] if len(models) == 1 else models
         return check_return(
             "optimizer_creator",
@@ -151,6 +156,8 @@ class TorchCreators:
 
     def create_data(self, config: dict) -> tuple[Any, Any]:
         """Call ``data_creator``; returns ``(train_loader, val_loader or None)``."""
+        import torch
+
         value = self.data_creator(config)
         if isinstance(value, (tuple, list)) and len(value) == 2:
             train, val = value

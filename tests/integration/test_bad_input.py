@@ -93,7 +93,8 @@ def test_creator_with_wrong_arguments():
 
 def test_creator_returning_the_wrong_type():
     with pytest.raises(
-        WorkerError, match="(?s)optimizer_creator returned Sequential .*expected a torch.optim.Optimizer"
+        WorkerError,
+        match="(?s)optimizer_creator returned Sequential .*expected a torch.optim.Optimizer",
     ):
         _trainer(optimizer_creator=lambda model, config: model)
 

@@ -38,6 +38,12 @@ def tensorflow_imported():
     import tf_keras  # noqa: F401
 
 
+def _torch_imported() -> bool:
+    import sys
+
+    return "torch" in sys.modules
+
+
 def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     assert [w.shape for w in a] == [w.shape for w in b]
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
@@ -139,6 +145,8 @@ def test_two_workers_match_one_worker_stay_in_sync_and_learn(two_workers, one_wo
 
     weights = two_workers.apply_all_models(_get_weights)
     assert _max_diff(weights[0], weights[1]) == 0.0
+    # TF workers never import torch (it would cost every worker ~1 s at start).
+    assert two_workers.apply_all_workers(_torch_imported) == [False, False]
 
 
 def test_checkpoint_round_trip_to_another_worker_count(two_workers, one_worker, tmp_path):

@@ -106,14 +106,19 @@ def test_legacy_keras_env_is_restored():
     assert os.environ.get(LEGACY_KERAS_VAR) == before
 
 
-def test_importing_the_tf_modules_does_not_import_tensorflow():
+def test_importing_the_tf_modules_imports_neither_tensorflow_nor_torch():
+    # TensorFlow starts only in the workers, after TF_CONFIG is set; torch (about 1 s
+    # and hundreds of MiB) is never needed by a TFTrainer's driver or workers.
     code = (
         "import sys, polytrain\n"
         "from polytrain import TFTrainer\n"
         "import polytrain.backends.tensorflow, polytrain.compat.keras\n"
+        "import polytrain.trainer_api.tf_worker, polytrain.trainer_api.checkpoint\n"
         "from polytrain.backends.registry import get_backend\n"
+        "from polytrain.backends.base import WorkerContext\n"
         "get_backend('mwms')\n"
-        "bad = [m for m in ('tensorflow', 'tf_keras', 'keras') if m in sys.modules]\n"
+        "WorkerContext(world_size=2).for_rank\n"
+        "bad = [m for m in ('tensorflow', 'tf_keras', 'keras', 'torch') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
     result = subprocess.run(
