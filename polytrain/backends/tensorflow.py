@@ -44,13 +44,32 @@ class MWMSConfig(BackendConfig):
             (file if possible, else data) or "off" (no sharding: the data set must
             already differ per worker).
 
-    The timeout of one collective operation is ``failure_config.collective_timeout_s``.
+        collective_timeout_s: timeout of one collective operation, or None (the
+            default) for none. TensorFlow implements it with one extra thread per
+            collective op that sleeps for the whole timeout, even after the op is done:
+            about 8 threads per training step of a 3-layer MLP, so a 1800 s timeout at
+            50 steps/s would hold some 700,000 threads. Without it, a lost worker is still
+            caught by Ray (the group is torn down at once) and a hung one by
+            ``failure_config.hang_timeout_s``; set a short value (tens of seconds) only
+            if you need TensorFlow itself to abort a stuck collective.
+
+    ``failure_config.collective_timeout_s`` (the torch and Horovod collective timeout)
+    does not apply to this backend, for the reason above.
     """
 
     communication: str = "auto"
     auto_shard_policy: str = "data"
+    collective_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
+        timeout = self.collective_timeout_s
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+        ):
+            raise ValueError(
+                f"collective_timeout_s must be a positive number of seconds or None (no "
+                f"timeout); got {timeout!r}."
+            )
         for name, allowed in (
             ("communication", COMMUNICATIONS),
             ("auto_shard_policy", AUTO_SHARD_POLICIES),
@@ -253,7 +272,12 @@ class MultiWorkerMirroredBackend(Backend):
             implementation=getattr(
                 tf.distribute.experimental.CommunicationImplementation, implementation.upper()
             ),
-            timeout_seconds=float(ctx.timeout_s) if ctx.timeout_s else None,
+            # Not ctx.timeout_s: see MWMSConfig.collective_timeout_s (a thread per op).
+            timeout_seconds=(
+                float(self.config.collective_timeout_s)
+                if self.config.collective_timeout_s
+                else None
+            ),
         )
         return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
 

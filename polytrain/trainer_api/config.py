@@ -106,8 +106,10 @@ class FailureConfig:
             the error is raised; 0 raises at the first failure.
         hang_timeout_s: if no worker makes progress for this long, collect every
             worker's stack and treat it as a failure; None disables the watchdog.
-        collective_timeout_s: timeout of one collective operation (process group
-            timeout for torch backends).
+        collective_timeout_s: timeout of one collective operation (the process group
+            timeout of the torch backends, Horovod's gloo timeout). TensorFlow's
+            ``mwms`` backend has its own, off by default:
+            ``backend_config={"collective_timeout_s": ...}`` (see ``MWMSConfig``).
     """
 
     max_retries: int = 0

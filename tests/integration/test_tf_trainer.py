@@ -133,7 +133,15 @@ def test_two_workers_match_one_worker_stay_in_sync_and_learn(two_workers, one_wo
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-4)
     assert two["accuracy"] == pytest.approx(one["accuracy"], abs=1e-6)
 
+    threads_before = two_workers.apply_all_workers(_thread_count)
     epochs = [two_workers.train() for _ in range(3)]
+    # A TensorFlow collective timeout starts a thread per collective op that lives for
+    # the whole timeout (~8 per step here): over 69 steps they would pile up by hundreds.
+    threads_after = two_workers.apply_all_workers(_thread_count)
+    assert all(b - a < 20 for a, b in zip(threads_before, threads_after, strict=True)), (
+        threads_before,
+        threads_after,
+    )
     val = two_workers.validate()
     assert [s["epoch"] for s in (two, *epochs)] == [0, 1, 2, 3]
     assert epochs[-1]["loss"] < two["loss"] * 0.5
@@ -201,3 +209,9 @@ def test_worker_error_does_not_hang_the_other_and_leaves_no_actors(
     with pytest.raises(TrainerShutdownError, match="shut down; create a new one"):
         two_workers.train()
     one_worker.shutdown()
+
+
+def _thread_count() -> int:
+    import psutil
+
+    return psutil.Process().num_threads()

@@ -89,6 +89,12 @@ def test_backend_registry_config_and_settings():
         MWMSConfig(communication="gloo")
     with pytest.raises(ValueError, match=r"auto_shard_policy \('hint'\).*'data', 'file'"):
         MWMSConfig(auto_shard_policy="hint")
+    # TensorFlow's per-op timeout costs a sleeping thread per collective: off by default.
+    assert MWMSConfig().collective_timeout_s is None
+    assert get_backend("mwms", {"collective_timeout_s": 30}).config.collective_timeout_s == 30
+    for bad in (0, -1, "60", True):
+        with pytest.raises(ValueError, match=rf"collective_timeout_s must be .*got {bad!r}"):
+            MWMSConfig(collective_timeout_s=bad)
     with pytest.raises(TypeError, match=r"Unknown backend_config key\(s\) \['timeout'\]"):
         get_backend("mwms", {"timeout": 5})
     with pytest.raises(ValueError, match="communication='nccl' needs use_gpu=True"):
