@@ -119,6 +119,11 @@ class StepRecorder:
         if len(self.step_s) == 1:
             self.mark("first_step")
 
+    def restart_steps(self) -> None:
+        """Forget the steps recorded so far (the marks stay): the steady state starts now."""
+        self.step_s.clear()
+        self.ends.clear()
+
     def summary(self, rank: int) -> dict[str, Any]:
         """Everything recorded, plus the process's peak memory and scheduling facts."""
         torch = sys.modules.get("torch")  # not imported just to ask (TensorFlow runs)
@@ -285,11 +290,19 @@ def tf_dataset(spec: WorkloadSpec) -> Any:
     )
 
 
+#: Epochs of ``spec.steps`` batches the Keras runners train; the step statistics come
+#: from the last one. The first epoch of a fresh process holds tf.function tracing, the
+#: collectives' first group and instance set-up, and (for Ray-based runners) the local
+#: Ray instance's own start-up work: launch costs, not the steady state.
+TF_EPOCHS = 2
+
+
 def tf_timing_callback() -> Any:
-    """A Keras callback that records the end of every training batch.
+    """A Keras callback that records the end of every training batch of the last epoch.
 
     It keeps Keras's logs as tensors (``_supports_tf_logs``) so it adds no host
-    sync, as polytrain's own progress callback does.
+    sync, as polytrain's own progress callback does. The first batch end of the
+    first epoch is still recorded (the launch-to-first-step mark).
     """
     import tf_keras as keras
 
@@ -298,6 +311,10 @@ def tf_timing_callback() -> Any:
             super().__init__()
             self._supports_tf_logs = True
             self._last = time.perf_counter()
+
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            if epoch > 0:
+                RECORDER.restart_steps()
 
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
             self._last = time.perf_counter()

@@ -44,7 +44,7 @@ def train_loop(config: dict[str, Any]) -> None:
     rec.mark("wrapped")
     model.fit(
         dataset,
-        epochs=1,
+        epochs=workload.TF_EPOCHS,
         steps_per_epoch=spec.steps,
         verbose=0,
         callbacks=[workload.tf_timing_callback()],

@@ -49,7 +49,7 @@ def main() -> None:
     rec.mark("wrapped")
     model.fit(
         dataset,
-        epochs=1,
+        epochs=workload.TF_EPOCHS,
         steps_per_epoch=spec.steps,
         verbose=0,
         callbacks=[workload.tf_timing_callback()],
