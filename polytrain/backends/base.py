@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import copy
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
@@ -98,15 +99,15 @@ class WorkerContext:
 
     def for_rank(self, info: Any) -> WorkerContext:
         """A copy placed at ``info``'s ranks (a :class:`~polytrain.launchers.ranks.RankInfo`)."""
-        return dataclasses.replace(
-            self,
-            device=self.__dict__.get("_device"),  # unset stays unset (no torch import)
-            world_rank=info.world_rank,
-            local_rank=info.local_rank,
-            world_size=info.world_size,
-            local_world_size=info.local_world_size,
-            node_rank=info.node_rank,
-        )
+        # A shallow copy, not dataclasses.replace: that reads every field, and reading an
+        # unset device would import torch in a TensorFlow worker.
+        placed = copy.copy(self)
+        placed.world_rank = info.world_rank
+        placed.local_rank = info.local_rank
+        placed.world_size = info.world_size
+        placed.local_world_size = info.local_world_size
+        placed.node_rank = info.node_rank
+        return placed
 
     @property
     def is_distributed(self) -> bool:

@@ -44,6 +44,12 @@ def _torch_imported() -> bool:
     return "torch" in sys.modules
 
 
+def _thread_count() -> int:
+    import psutil
+
+    return psutil.Process().num_threads()
+
+
 def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     assert [w.shape for w in a] == [w.shape for w in b]
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
@@ -209,9 +215,3 @@ def test_worker_error_does_not_hang_the_other_and_leaves_no_actors(
     with pytest.raises(TrainerShutdownError, match="shut down; create a new one"):
         two_workers.train()
     one_worker.shutdown()
-
-
-def _thread_count() -> int:
-    import psutil
-
-    return psutil.Process().num_threads()

@@ -123,7 +123,9 @@ def test_importing_the_tf_modules_imports_neither_tensorflow_nor_torch():
         "from polytrain.backends.registry import get_backend\n"
         "from polytrain.backends.base import WorkerContext\n"
         "get_backend('mwms')\n"
-        "WorkerContext(world_size=2).for_rank\n"
+        "from polytrain.launchers.ranks import RankInfo\n"
+        "placed = WorkerContext(world_size=2).for_rank(RankInfo(1, 1, 2, 2, 0))\n"
+        "assert (placed.world_rank, placed.world_size) == (1, 2)\n"
         "bad = [m for m in ('tensorflow', 'tf_keras', 'keras', 'torch') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
