@@ -25,6 +25,58 @@ class WorkerError(PolytrainError, RuntimeError):
         return (type(self), (self.args[0], self.rank, self.remote_traceback))
 
 
+_LIKE: dict[type, type] = {}
+
+
+def worker_error_like(
+    cause: BaseException, message: str, rank: int, remote_traceback: str = ""
+) -> WorkerError:
+    """A :class:`WorkerError` that is also an instance of ``cause``'s class, where Python allows it.
+
+    ``except ValueError`` and ``pytest.raises(ValueError)`` then catch a ``ValueError``
+    raised in a worker, as they catch Ray's own task errors, while the error still
+    carries the rank and the remote traceback. Classes that cannot be combined (an
+    incompatible instance layout such as ``OSError``'s, ``KeyboardInterrupt``) give a
+    plain :class:`WorkerError`.
+    """
+    return _rebuild_like(type(cause), message, rank, remote_traceback)
+
+
+def _combined_class(cause_cls: type) -> type:
+    if not issubclass(cause_cls, Exception) or issubclass(cause_cls, WorkerError):
+        return WorkerError
+    if cause_cls not in _LIKE:
+        try:
+            combined = type(
+                f"WorkerError[{cause_cls.__name__}]",
+                (WorkerError, cause_cls),
+                {"__reduce__": _reduce_like, "__module__": __name__, "__str__": _str_like},
+            )
+            combined.__new__(combined, "probe")
+        except TypeError:  # instance lay-out conflict (OSError), a final class, a metaclass clash
+            combined = WorkerError
+        _LIKE[cause_cls] = combined
+    return _LIKE[cause_cls]
+
+
+def _reduce_like(self: WorkerError) -> tuple:
+    # Pickle by the user's class (importable), not the generated one.
+    user_cls = next(c for c in type(self).__bases__ if c is not WorkerError)
+    return (_rebuild_like, (user_cls, self.args[0], self.rank, self.remote_traceback))
+
+
+def _str_like(self: WorkerError) -> str:
+    # KeyError and friends format their message differently; keep WorkerError's text.
+    return str(self.args[0]) if self.args else ""
+
+
+def _rebuild_like(cause_cls: type, message: str, rank: int, remote_traceback: str) -> WorkerError:
+    cls = _combined_class(cause_cls)
+    error = cls.__new__(cls, message)
+    WorkerError.__init__(error, message, rank, remote_traceback)
+    return error
+
+
 class WorkerDiedError(WorkerError):
     """A worker process died (killed, out of memory, node lost) instead of raising."""
 
@@ -51,3 +103,18 @@ class CreatorError(PolytrainError, TypeError):
 
 class ConfigError(PolytrainError, ValueError):
     """A trainer option or config file value that is not allowed."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A config value of the wrong type, or an unknown option name.
+
+    Also a ``TypeError``, the exception Python raises for an unexpected keyword.
+    """
+
+
+class UnknownBackendError(ConfigError):
+    """A backend name that is neither a registered name nor an alias."""
+
+
+class MissingDependencyError(PolytrainError, ImportError):
+    """An optional framework that a requested feature needs is not installed."""

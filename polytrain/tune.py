@@ -1,229 +1,24 @@
-"""Ray Tune trainables built from polytrain trainers.
+"""Ray Tune integration: trainables built from polytrain trainers, and their placement groups.
 
-``TorchTrainer.as_trainable(...)`` (and ``TFTrainer.as_trainable``) return a
-function trainable for :class:`ray.tune.Tuner`. Every trial builds its own
-trainer, trains epoch by epoch, and after each epoch reports the reduced train
-and validation metrics to Tune together with a checkpoint written by
-``trainer.save()``; a trial that Tune restores (PBT exploit, a paused ASHA trial,
-a retried failure) resumes with ``trainer.load()``. The trial's placement group
-holds a bundle for the trainable (bundle 0) and one per worker, and the trainer
-starts its workers inside it.
+The public face of :mod:`polytrain.trainer_api.trainable`, where the code lives
+(so that ``BaseTrainer.as_trainable`` imports nothing above ``trainer_api``);
+see that module for how trial configs map to trainer options and for an example.
+The Lightning side (``TuneReportCallback``) is in :mod:`polytrain.lightning`.
 
-Trial config keys update the trainer's ``config`` dict, except the keys in
-:data:`TRAINER_OPTION_KEYS`, which set trainer options:
-
-* ``backend``, ``backend_config``, ``use_fp16``: any trial may choose them, so
-  ``tune.choice(["ddp", "horovod"])`` searches over backends.
-* ``num_workers``, ``num_cpus_per_worker``, ``use_gpu``: read when Tune creates
-  the trial's placement group, so they too may be searched (``tune.choice([1,
-  2])``). A running trial's placement group cannot change: a scheduler that
-  mutates them (PBT's ``hyperparam_mutations``) gets the new value only when the
-  trial restarts, so leave them out of mutations.
-
-``ray.tune`` is imported here and only here; ``import polytrain`` never loads it.
+``ray.tune`` is imported only when a trainable or a placement group is built.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import tempfile
-from collections.abc import Callable
-from typing import Any
-
-from ray import tune
-from ray.tune import Checkpoint, PlacementGroupFactory
-
-from polytrain.errors import ConfigError
-from polytrain.trainer_api.config import ScalingConfig, coerce_config
-
-#: Trial config keys that set trainer options instead of entries of ``config``.
-TRAINER_OPTION_KEYS = (
-    "backend",
-    "backend_config",
-    "use_fp16",
-    "num_workers",
-    "num_cpus_per_worker",
-    "use_gpu",
+from polytrain.trainer_api.trainable import (
+    CHECKPOINT_FILE,
+    TRAINER_OPTION_KEYS,
+    make_trainable,
+    tune_resources,
 )
-_SCALING_KEYS = ("num_workers", "num_cpus_per_worker", "use_gpu")
 
-#: File name of the trainer checkpoint inside each Tune checkpoint directory.
-CHECKPOINT_FILE = "polytrain_checkpoint.pt"
+# The trial-config helpers stay importable from here, where they were first written.
+from polytrain.trainer_api.trainable import _scaling_of as _scaling_of
+from polytrain.trainer_api.trainable import _split_trial_config as _split_trial_config
 
-
-def tune_resources(
-    num_workers: int = 1,
-    num_cpus_per_worker: float = 1,
-    use_gpu: bool = False,
-    resources_per_worker: dict[str, float] | None = None,
-    trainable_resources: dict[str, float] | None = None,
-    placement_strategy: str = "PACK",
-) -> PlacementGroupFactory:
-    """The placement group a trial needs: bundle 0 for the trainable, one per worker.
-
-    Use it with :func:`ray.tune.with_resources` for a function that trains with a
-    :class:`~polytrain.TorchTrainer` or a Lightning ``RayStrategy`` inside a trial;
-    the worker group finds this placement group and fills bundles 1..n.
-
-    Args:
-        num_workers: workers of the trainer (>= 1).
-        num_cpus_per_worker: CPUs per worker bundle.
-        use_gpu: one GPU per worker bundle.
-        resources_per_worker: extra custom resources per worker bundle.
-        trainable_resources: bundle 0, for the trial's own process (default 1 CPU;
-            it must not be empty, or the worker group cannot find its bundles).
-        placement_strategy: "PACK", "SPREAD", "STRICT_PACK" or "STRICT_SPREAD".
-
-    Raises:
-        ConfigError: ``num_workers`` < 1 or an empty ``trainable_resources``.
-    """
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ConfigError(
-            f"num_workers must be an int >= 1 for a Tune trial; got {num_workers!r}. Local mode "
-            f"(num_workers=0) trains inside the trial's process: give the trainable its "
-            f"resources with tune.with_resources directly."
-        )
-    head = dict(trainable_resources) if trainable_resources is not None else {"CPU": 1}
-    if not any(amount > 0 for amount in head.values()):
-        raise ConfigError(
-            f"trainable_resources must reserve something (e.g. {{'CPU': 1}}); got {head!r}. "
-            f"Tune drops an empty bundle 0, and the workers would then look for their "
-            f"bundles in the wrong places."
-        )
-    worker = {"CPU": float(num_cpus_per_worker)}
-    if use_gpu:
-        worker["GPU"] = 1.0
-    worker.update(resources_per_worker or {})
-    return PlacementGroupFactory(
-        [head] + [dict(worker) for _ in range(num_workers)], strategy=placement_strategy
-    )
-
-
-def _split_trial_config(
-    trial_config: dict[str, Any], trainer_kwargs: dict[str, Any]
-) -> dict[str, Any]:
-    """Trainer kwargs for one trial: options from reserved keys, the rest into ``config``."""
-    kwargs = dict(trainer_kwargs)
-    config = dict(kwargs.pop("config", None) or {})
-    options = {}
-    for key, value in trial_config.items():
-        if key in TRAINER_OPTION_KEYS:
-            options[key] = value
-        else:
-            config[key] = value
-    scaling_options = {k: options.pop(k) for k in _SCALING_KEYS if k in options}
-    if scaling_options and kwargs.get("scaling_config") is not None:
-        # The trainer refuses an option given both flat and in scaling_config.
-        scaling = coerce_config(ScalingConfig, kwargs["scaling_config"], "scaling_config")
-        kwargs["scaling_config"] = dataclasses.replace(scaling, **scaling_options)
-    else:
-        kwargs.update(scaling_options)
-    kwargs.update(options)
-    kwargs["config"] = config
-    return kwargs
-
-
-def _scaling_of(kwargs: dict[str, Any]) -> ScalingConfig:
-    scaling = coerce_config(ScalingConfig, kwargs.get("scaling_config"), "scaling_config")
-    flat = {k: kwargs[k] for k in _SCALING_KEYS if kwargs.get(k) is not None}
-    return dataclasses.replace(scaling, **flat)
-
-
-def make_trainable(
-    trainer_cls: type,
-    *,
-    num_epochs: int | None = None,
-    validate: bool = True,
-    num_steps: int | None = None,
-    trainable_resources: dict[str, float] | None = None,
-    **trainer_kwargs: Any,
-) -> Callable[[dict[str, Any]], None]:
-    """A Tune function trainable that trains ``trainer_cls(**trainer_kwargs)`` per trial.
-
-    Each trial merges its config into ``trainer_kwargs`` (see the module docstring
-    for the reserved keys), builds the trainer in its placement group, resumes
-    from Tune's checkpoint if there is one, and then, once per epoch, calls
-    ``train()`` (and ``validate()``) and ``tune.report(metrics, checkpoint=...)``
-    with a checkpoint directory holding ``trainer.save()``. Train metrics are
-    reported as they are (``loss``, ``num_samples``, ...), validation metrics with a
-    ``val_`` prefix (``val_loss``, ``val_accuracy``, ``val_num_samples``, ...);
-    ``epoch`` counts completed epochs and ``backend`` names the backend that ran.
-
-    Example:
-        >>> trainable = TorchTrainer.as_trainable(
-        ...     model_creator=..., data_creator=..., optimizer_creator=...,
-        ...     loss_creator=torch.nn.CrossEntropyLoss, num_workers=2,
-        ...     config={"batch_size": 64}, num_epochs=10)
-        >>> tuner = tune.Tuner(trainable, param_space={
-        ...     "lr": tune.loguniform(1e-3, 1e-1), "backend": tune.choice(["ddp", "horovod"])},
-        ...     tune_config=tune.TuneConfig(metric="val_accuracy", mode="max",
-        ...                                 scheduler=ASHAScheduler(), num_samples=8))
-
-    Args:
-        trainer_cls: :class:`~polytrain.TorchTrainer` or :class:`~polytrain.TFTrainer`.
-        num_epochs: stop a trial after this many epochs; None trains until Tune's
-            ``stop`` criteria or scheduler stop it.
-        validate: call ``validate()`` after each epoch (needs validation data).
-        num_steps: train only this many batches per reported "epoch".
-        trainable_resources: bundle 0 of the trial's placement group (default 1 CPU).
-        **trainer_kwargs: the trainer's arguments, as for ``trainer_cls(...)``.
-
-    Returns:
-        A function trainable carrying its per-trial resources (``tune.with_resources``).
-
-    Raises:
-        ConfigError: bad ``num_epochs`` or a trainer option Tune cannot reserve for.
-    """
-    if num_epochs is not None and (
-        isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1
-    ):
-        raise ConfigError(f"num_epochs must be an int >= 1 or None; got {num_epochs!r}.")
-    # Fail in the driver, before any trial starts, on options that would fail in every trial.
-    base_scaling = _scaling_of(trainer_kwargs)
-    tune_resources(
-        base_scaling.num_workers,
-        base_scaling.num_cpus_per_worker,
-        base_scaling.use_gpu,
-        base_scaling.resources_per_worker,
-        trainable_resources,
-        base_scaling.placement_strategy,
-    )
-
-    def resources(trial_config: dict[str, Any]) -> PlacementGroupFactory:
-        scaling = _scaling_of(_split_trial_config(trial_config, trainer_kwargs))
-        return tune_resources(
-            scaling.num_workers,
-            scaling.num_cpus_per_worker,
-            scaling.use_gpu,
-            scaling.resources_per_worker,
-            trainable_resources,
-            scaling.placement_strategy,
-        )
-
-    def train_polytrain(trial_config: dict[str, Any]) -> None:
-        trainer = trainer_cls(**_split_trial_config(trial_config, trainer_kwargs))
-        try:
-            checkpoint = tune.get_checkpoint()
-            if checkpoint is not None:
-                with checkpoint.as_directory() as directory:
-                    trainer.load(os.path.join(directory, CHECKPOINT_FILE))
-            while num_epochs is None or trainer.epoch < num_epochs:
-                metrics = dict(trainer.train(num_steps=num_steps))
-                if validate:
-                    # val_loss, val_accuracy keep their names; val_num_samples etc. stay apart
-                    # from the train metrics of the same name.
-                    for key, value in trainer.validate().items():
-                        metrics[key if key.startswith("val_") else f"val_{key}"] = value
-                metrics["epoch"] = trainer.epoch  # epochs completed, like training_iteration
-                metrics["backend"] = trainer.backend_name  # which backend a searched choice ran
-                with tempfile.TemporaryDirectory(prefix="polytrain_tune_") as directory:
-                    trainer.save(os.path.join(directory, CHECKPOINT_FILE))
-                    # Tune copies the directory into the trial's storage before returning.
-                    tune.report(metrics, checkpoint=Checkpoint.from_directory(directory))
-        finally:
-            trainer.shutdown()
-
-    train_polytrain.__name__ = f"{trainer_cls.__name__}_trainable"
-    train_polytrain.__qualname__ = train_polytrain.__name__
-    return tune.with_resources(train_polytrain, resources)
+__all__ = ["CHECKPOINT_FILE", "TRAINER_OPTION_KEYS", "make_trainable", "tune_resources"]

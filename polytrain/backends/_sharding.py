@@ -1,6 +1,6 @@
 """Helpers shared by the sharding backends (``fairscale`` and ``fsdp``).
 
-The trainer builds the optimizers with the user's creator *before* the backend
+The trainer builds the optimizers with the user's creator *before* the strategy
 prepares the models. A sharding backend must own an optimizer over the sharded
 parameters instead (fairscale's ``OSS``, an optimizer over FSDP's local shards),
 so it rebuilds each optimizer with the same class, defaults and per-group
@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from polytrain.backends.base import Components, WorkerContext
+from polytrain.backends.context import Components, WorkerContext
+from polytrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -141,14 +142,14 @@ def owner_index(optimizer: torch.optim.Optimizer, models: Sequence[torch.nn.Modu
     """The index of the one model holding all of the optimizer's parameters (None: no model).
 
     Raises:
-        ValueError: the optimizer's parameters are spread over several models.
+        ConfigError: the optimizer's parameters are spread over several models.
     """
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     owners = [
         index for index, model in enumerate(models) if params & {id(p) for p in model.parameters()}
     ]
     if len(owners) > 1:
-        raise ValueError(
+        raise ConfigError(
             f"Optimizer {type(optimizer).__name__} holds parameters of several models (model "
             f"indices {owners}); a sharding backend needs one optimizer per model. Create one "
             f"optimizer per model in optimizer_creator."
@@ -160,13 +161,13 @@ def optimizer_param_names(optimizer: torch.optim.Optimizer, names: dict[int, str
     """The names (``names[id(param)]``) of the optimizer's params, in ``state_dict`` index order.
 
     Raises:
-        ValueError: a parameter of the optimizer is not in ``names``.
+        ConfigError: a parameter of the optimizer is not in ``names``.
     """
     result = []
     for group in optimizer.param_groups:
         for param in group["params"]:
             if id(param) not in names:
-                raise ValueError(
+                raise ConfigError(
                     f"Optimizer {type(optimizer).__name__} holds a parameter (shape "
                     f"{tuple(param.shape)}) that is not in its model; a sharding backend "
                     f"can only shard the parameters of the model it wraps."

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from polytrain.backends.base import Backend, BackendConfig, Components, WorkerContext
-from polytrain.backends.torch_distributed import (
-    module_device_ids,
-    start_process_group,
-    stop_process_group,
-)
+from polytrain.backends.base import Backend, BackendConfig
+from polytrain.backends.context import Components, WorkerContext
+from polytrain.backends.strategy import TorchStrategy
+from polytrain.backends.torch_distributed import TorchDistributedRendezvous, module_device_ids
+from polytrain.errors import ConfigError
 
 _DIST_BACKENDS = ("gloo", "nccl", None)
 
@@ -40,32 +38,16 @@ class DDPConfig(BackendConfig):
 
     def __post_init__(self) -> None:
         if self.dist_backend not in _DIST_BACKENDS:
-            raise ValueError(
+            raise ConfigError(
                 f"The provided dist_backend ({self.dist_backend!r}) is not supported. Must be "
                 f"either 'gloo', 'nccl' or None (nccl on GPU, gloo on CPU)."
             )
 
 
-class DDPBackend(Backend):
-    """Data parallelism with ``DistributedDataParallel`` (gloo on CPU, nccl on GPU)."""
+class DDPStrategy(TorchStrategy):
+    """Worker side of ``ddp``: every model with parameters wrapped in ``DistributedDataParallel``."""
 
-    name = "ddp"
-    framework = "torch"
-    config_cls = DDPConfig
     config: DDPConfig
-
-    def validate_settings(self, *, num_workers: int, use_gpu: bool, use_fp16: bool) -> None:
-        """Driver: nccl needs GPUs."""
-        if self.config.dist_backend == "nccl" and not use_gpu:
-            raise ValueError("dist_backend='nccl' needs use_gpu=True; use 'gloo' on CPU.")
-
-    def on_start(self, group: Any, ctx_template: WorkerContext) -> None:
-        """Driver: one process group over all workers."""
-        start_process_group(group, ctx_template, self.config.dist_backend)
-
-    def on_shutdown(self, group: Any) -> None:
-        """Driver: destroy the process groups (dead workers are fine)."""
-        stop_process_group(group)
 
     def prepare(self, components: Components, ctx: WorkerContext) -> Components:
         """Worker: wrap every model with parameters in DDP (not in local mode)."""
@@ -93,6 +75,22 @@ class DDPBackend(Backend):
             if isinstance(model, DistributedDataParallel):
                 stack.enter_context(model.no_sync())
         return stack
+
+
+class DDPBackend(Backend):
+    """Data parallelism with ``DistributedDataParallel`` (gloo on CPU, nccl on GPU)."""
+
+    name = "ddp"
+    framework = "torch"
+    config_cls = DDPConfig
+    rendezvous_cls = TorchDistributedRendezvous
+    strategy_cls = DDPStrategy
+    config: DDPConfig
+
+    def validate_settings(self, *, num_workers: int, use_gpu: bool, use_fp16: bool) -> None:
+        """Driver: nccl needs GPUs."""
+        if self.config.dist_backend == "nccl" and not use_gpu:
+            raise ConfigError("dist_backend='nccl' needs use_gpu=True; use 'gloo' on CPU.")
 
 
 def buffer_sync_kwargs(sync: bool) -> dict[str, bool]:

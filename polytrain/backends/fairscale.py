@@ -13,9 +13,13 @@ Modes (``backend_config={"mode": ...}``):
 
 The user's optimizer is rebuilt as ``OSS`` with its class, defaults and param
 groups (per-group options such as ``lr`` are kept); schedulers are pointed at
-the new optimizer. Checkpoints are consolidated to plain torch format: a state
-saved here loads into a plain torch optimizer of the same class, and a plain
-torch state (e.g. from ``ddp``) loads here at any world size.
+the new optimizer. Checkpoints are consolidated to plain torch format (see
+:mod:`polytrain.backends.fairscale_state`): a state saved here loads into a
+plain torch optimizer of the same class, and a plain torch state (e.g. from
+``ddp``) loads here at any world size.
+
+The driver side is :class:`~polytrain.backends.torch_distributed.TorchDistributedRendezvous`
+(one gloo or nccl process group); the worker side is :class:`FairscaleStrategy`.
 """
 
 from __future__ import annotations
@@ -27,14 +31,14 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from polytrain.backends import _sharding
-from polytrain.backends.base import Backend, BackendConfig, Components, WorkerContext
+from polytrain.backends import _sharding, fairscale_state
+from polytrain.backends.base import Backend, BackendConfig
+from polytrain.backends.context import Components, WorkerContext
 from polytrain.backends.ddp import buffer_sync_kwargs
-from polytrain.backends.torch_distributed import (
-    module_device_ids,
-    start_process_group,
-    stop_process_group,
-)
+from polytrain.backends.precision import Precision, default_precision
+from polytrain.backends.strategy import TorchStrategy
+from polytrain.backends.torch_distributed import TorchDistributedRendezvous, module_device_ids
+from polytrain.errors import ConfigError
 
 MODES = ("oss", "sddp", "fsdp")
 
@@ -64,51 +68,43 @@ class FairscaleConfig(BackendConfig):
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(
+            raise ConfigError(
                 f"The provided mode ({self.mode!r}) is not supported. Must be one of "
                 f"{', '.join(repr(m) for m in MODES)}: 'oss' (optimizer-state sharding + DDP), "
                 f"'sddp' (OSS + ShardedDataParallel) or 'fsdp' (FullyShardedDataParallel, GPU "
                 f"only)."
             )
         if self.reduce_buffer_size < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"reduce_buffer_size must be >= 0 (elements; 0 disables bucketing); got "
                 f"{self.reduce_buffer_size!r}."
             )
 
 
-class FairscaleBackend(Backend):
-    """fairscale's OSS / ShardedDataParallel (CPU and GPU) or FullyShardedDataParallel (GPU)."""
+class FairscaleStrategy(TorchStrategy):
+    """Worker side of ``fairscale``: OSS optimizers and a wrapper per the configured mode.
 
-    name = "fairscale"
-    framework = "torch"
-    config_cls = FairscaleConfig
+    In local mode (no process group) nothing is wrapped and the plain torch
+    behaviour of :class:`~polytrain.backends.strategy.TorchStrategy` applies.
+    """
+
     config: FairscaleConfig
 
-    # ----------------------------------------------------------------- driver
-    def validate_settings(self, *, num_workers: int, use_gpu: bool, use_fp16: bool) -> None:
-        """Driver: fairscale's FSDP needs CUDA.
+    # ------------------------------------------------------------ preparation
+    def make_precision(self, ctx: WorkerContext) -> Precision:
+        """Worker: fp16/bf16 with ``use_fp16``; fairscale's ShardedGradScaler for fp16 on GPU.
 
-        Raises:
-            ValueError: ``mode="fsdp"`` without ``use_gpu=True``.
+        The scaler's inf checks span the shards. fairscale's FSDP casts parameters
+        and inputs itself, so in mode "fsdp" the forward runs without autocast.
         """
-        if self.config.mode == "fsdp" and not use_gpu:
-            raise ValueError(
-                "fairscale mode='fsdp' needs use_gpu=True: fairscale's FullyShardedDataParallel "
-                "runs on CUDA only (got use_gpu=False). On CPU use backend='fsdp' (PyTorch's "
-                "FullyShardedDataParallel, which also shards parameters and gradients), or "
-                "fairscale mode 'sddp' or 'oss'."
-            )
+        scaler = None
+        if ctx.use_fp16 and ctx.device.type == "cuda" and not ctx.local_mode:
+            from fairscale.optim.grad_scaler import ShardedGradScaler
 
-    def on_start(self, group: Any, ctx_template: WorkerContext) -> None:
-        """Driver: one ``torch.distributed`` process group over all workers."""
-        start_process_group(group, ctx_template)
+            scaler = ShardedGradScaler()
+        wrapper_casts = self.config.mode == "fsdp" and _sharding.shards(ctx)
+        return default_precision(ctx, cast_forward=not wrapper_casts, scaler=scaler)
 
-    def on_shutdown(self, group: Any) -> None:
-        """Driver: destroy the process groups (dead workers are fine)."""
-        stop_process_group(group)
-
-    # ----------------------------------------------------------------- worker
     def prepare(self, components: Components, ctx: WorkerContext) -> Components:
         """Worker: rebuild the optimizers sharded and wrap the models for the configured mode.
 
@@ -209,6 +205,7 @@ class FairscaleBackend(Backend):
             for o, i in zip(components.optimizers, owners, strict=True)
         ]
 
+    # ------------------------------------------------------------------- step
     def zero_grad(self, components: Components) -> None:
         """Worker: zero in place through ShardedDataParallel in "sddp" mode.
 
@@ -236,20 +233,7 @@ class FairscaleBackend(Backend):
                 stack.enter_context(model.no_sync())
         return stack
 
-    def autocast(self, ctx: WorkerContext) -> contextlib.AbstractContextManager:
-        """Worker: fairscale's FSDP casts itself in mixed precision; other modes use autocast."""
-        if self.config.mode == "fsdp" and _sharding.shards(ctx):
-            return contextlib.nullcontext()
-        return super().autocast(ctx)
-
-    def make_scaler(self, ctx: WorkerContext) -> Any:
-        """Worker: fairscale's ShardedGradScaler for fp16 on GPU (inf checks span the shards)."""
-        if ctx.use_fp16 and ctx.device.type == "cuda" and not ctx.local_mode:
-            from fairscale.optim.grad_scaler import ShardedGradScaler
-
-            return ShardedGradScaler()
-        return super().make_scaler(ctx)
-
+    # ------------------------------------------------------------------ state
     def full_state_dict(self, components: Components, ctx: WorkerContext) -> dict[str, Any] | None:
         """Worker (all ranks, collective): the consolidated model and optimizer states.
 
@@ -260,41 +244,17 @@ class FairscaleBackend(Backend):
         if not _sharding.shards(ctx):
             return super().full_state_dict(components, ctx)
         if self.config.mode == "fsdp":
-            return self._fsdp_full_state_dict(components, ctx)
-        optimizer_states = []
-        for optimizer in components.optimizers:
-            optimizer.consolidate_state_dict(recipient_rank=0)
-            if ctx.world_rank == 0:
-                optimizer_states.append(_torch_format(optimizer.state_dict()))
-                # OSS keeps every rank's shard on rank 0 until the next consolidation:
-                # drop them, or rank 0 holds the whole optimizer state from now on.
-                optimizer._all_states = []
+            # fairscale FSDP's state_dict() gathers the full parameters (collective).
+            models = [model.state_dict() for model in components.models]
+            optimizers = fairscale_state.gather_fsdp_states(self._owned(components))
+            return {"models": models, "optimizers": optimizers} if ctx.world_rank == 0 else None
+        optimizers = fairscale_state.consolidate_oss_states(components.optimizers, ctx.world_rank)
         if ctx.world_rank != 0:
             return None
         return {
             "models": [self.unwrap_model(m).state_dict() for m in components.models],
-            "optimizers": optimizer_states,
+            "optimizers": optimizers,
         }
-
-    def _fsdp_full_state_dict(
-        self, components: Components, ctx: WorkerContext
-    ) -> dict[str, Any] | None:
-        from fairscale.nn import FullyShardedDataParallel
-
-        models = []
-        for model in components.models:
-            # fairscale FSDP's state_dict() gathers the full parameters (collective).
-            models.append(model.state_dict())
-        optimizers = []
-        for optimizer, model in self._owned(components):
-            if isinstance(model, FullyShardedDataParallel):
-                full = model.gather_full_optim_state_dict(optimizer)  # rank 0 gets it
-                optimizers.append(_torch_format(full) if full is not None else None)
-            else:
-                optimizers.append(optimizer.state_dict())
-        if ctx.world_rank != 0:
-            return None
-        return {"models": models, "optimizers": optimizers}
 
     def load_full_state_dict(
         self, components: Components, state: dict[str, Any], ctx: WorkerContext
@@ -303,8 +263,9 @@ class FairscaleBackend(Backend):
         if not _sharding.shards(ctx):
             super().load_full_state_dict(components, state, ctx)
             return
+        fsdp_mode = self.config.mode == "fsdp"
         for model, model_state in zip(components.models, state["models"], strict=True):
-            target = model if self.config.mode == "fsdp" else self.unwrap_model(model)
+            target = model if fsdp_mode else self.unwrap_model(model)
             target.load_state_dict(model_state)
         states = _sharding.portable_optimizer_states(state.get("optimizers"))
         if states is None:
@@ -312,23 +273,33 @@ class FairscaleBackend(Backend):
         for (optimizer, model), optimizer_state in zip(
             self._owned(components), states, strict=True
         ):
-            if optimizer_state is None:
-                continue
-            if self.config.mode == "fsdp" and hasattr(model, "get_shard_from_optim_state_dict"):
-                full = _fairscale_fsdp_format(model, optimizer_state)
-                optimizer.load_state_dict(model.get_shard_from_optim_state_dict(full))
-                continue
-            # OSS.load_state_dict blanks the entries other ranks own in the dict it is
-            # given: hand it a copy, not the shared checkpoint.
-            optimizer.load_state_dict(
-                {
-                    "state": dict(optimizer_state["state"]),
-                    "param_groups": optimizer_state["param_groups"],
-                }
+            if optimizer_state is not None:
+                fairscale_state.load_optimizer_shard(optimizer, model, optimizer_state, fsdp_mode)
+
+
+class FairscaleBackend(Backend):
+    """fairscale's OSS / ShardedDataParallel (CPU and GPU) or FullyShardedDataParallel (GPU)."""
+
+    name = "fairscale"
+    framework = "torch"
+    config_cls = FairscaleConfig
+    rendezvous_cls = TorchDistributedRendezvous
+    strategy_cls = FairscaleStrategy
+    config: FairscaleConfig
+
+    def validate_settings(self, *, num_workers: int, use_gpu: bool, use_fp16: bool) -> None:
+        """Driver: fairscale's FSDP needs CUDA.
+
+        Raises:
+            ConfigError: ``mode="fsdp"`` without ``use_gpu=True``.
+        """
+        if self.config.mode == "fsdp" and not use_gpu:
+            raise ConfigError(
+                "fairscale mode='fsdp' needs use_gpu=True: fairscale's FullyShardedDataParallel "
+                "runs on CUDA only (got use_gpu=False). On CPU use backend='fsdp' (PyTorch's "
+                "FullyShardedDataParallel, which also shards parameters and gradients), or "
+                "fairscale mode 'sddp' or 'oss'."
             )
-            # OSS's outer state is only read by state_dict() and is overwritten there by
-            # the consolidated shards; keeping it would pin this rank to the full state.
-            optimizer.state.clear()
 
 
 def _wrapper_types() -> tuple[type, ...]:
@@ -338,63 +309,17 @@ def _wrapper_types() -> tuple[type, ...]:
     return (DistributedDataParallel, ShardedDataParallel, FullyShardedDataParallel)
 
 
-def _torch_format(state: dict[str, Any]) -> dict[str, Any]:
-    """Check that a consolidated OSS state has torch's layout, and return it as a plain dict.
-
-    Raises:
-        RuntimeError: the keys are not torch's param indices (a fairscale change).
-    """
-    indices = [i for group in state["param_groups"] for i in group["params"]]
-    if indices != list(range(len(indices))) or not set(state["state"]) <= set(indices):
-        raise RuntimeError(
-            "fairscale's consolidated optimizer state is not keyed by parameter index as "
-            f"torch's is (param-group indices {indices[:8]}..., state keys "
-            f"{list(state['state'])[:8]}...); this fairscale version is not supported."
-        )
-    return {
-        "state": {
-            index: {
-                # fairscale's FSDP counts steps in ints; torch keeps float tensors
-                k: torch.tensor(float(v)) if k == "step" and isinstance(v, int) else v
-                for k, v in param_state.items()
-            }
-            for index, param_state in state["state"].items()
-        },
-        "param_groups": [dict(group) for group in state["param_groups"]],
-    }
-
-
-def _fairscale_fsdp_format(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    """A torch-format full optimizer state with the bookkeeping fairscale's FSDP shards from.
-
-    ``param_id_map`` maps each unflattened parameter index to the FSDP instance whose
-    flat parameter holds it, as ``gather_full_optim_state_dict`` writes it.
-    """
-    from fairscale.nn.data_parallel.fully_sharded_data_parallel import get_fsdp_instances
-
-    param_id_map = {}
-    for local_id, instance in enumerate(get_fsdp_instances(model, skip_empty=True)):
-        for _ in range(instance.num_params_managed):
-            param_id_map[len(param_id_map)] = local_id
-    return {
-        "state": {k: dict(v) for k, v in state["state"].items()},
-        "param_groups": [dict(group) for group in state["param_groups"]],
-        "param_id_map": param_id_map,
-        "uncollected_local_ids": [],
-    }
-
-
 def _require_flat_layout(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> None:
     """fairscale's FSDP keeps one param group, in the model's parameter order.
 
     Raises:
-        ValueError: param groups with different options, or another parameter order.
+        ConfigError: param groups with different options, or another parameter order.
     """
     options = [
         {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
     ]
     if any(o != options[0] for o in options[1:]):
-        raise ValueError(
+        raise ConfigError(
             f"fairscale mode='fsdp' flattens the parameters, so the optimizer cannot keep "
             f"{len(options)} param groups with different options ({type(optimizer).__name__}). "
             f"Use backend='fsdp' (PyTorch's FSDP keeps per-group options), fairscale mode "
@@ -402,7 +327,7 @@ def _require_flat_layout(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
         )
     params = [id(p) for group in optimizer.param_groups for p in group["params"]]
     if model is not None and params != [id(p) for p in model.parameters()]:
-        raise ValueError(
+        raise ConfigError(
             f"fairscale mode='fsdp' needs the optimizer ({type(optimizer).__name__}) over all of "
             f"the model's parameters in model.parameters() order (its consolidated state is "
             f"indexed that way); got {len(params)} parameters in another order. Create it with "

@@ -15,6 +15,9 @@ supported replacement of ``FSDP.state_dict_type``): the full model state and the
 full optimizer state are gathered, and the optimizer state is re-keyed from
 parameter names to parameter indices, torch's own ``optimizer.state_dict()``
 format, so it loads into a plain torch optimizer of the same class.
+
+The driver side is :class:`~polytrain.backends.torch_distributed.TorchDistributedRendezvous`
+(one gloo or nccl process group); the worker side is :class:`FSDPStrategy`.
 """
 
 from __future__ import annotations
@@ -27,8 +30,12 @@ from typing import Any
 import torch
 
 from polytrain.backends import _sharding
-from polytrain.backends.base import Backend, BackendConfig, Components, WorkerContext
-from polytrain.backends.torch_distributed import start_process_group, stop_process_group
+from polytrain.backends.base import Backend, BackendConfig
+from polytrain.backends.context import Components, WorkerContext
+from polytrain.backends.precision import Precision, default_precision
+from polytrain.backends.strategy import TorchStrategy
+from polytrain.backends.torch_distributed import TorchDistributedRendezvous
+from polytrain.errors import CheckpointError, ConfigError, ConfigTypeError
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 AUTO_WRAP_POLICIES = ("size_based", "none")
@@ -67,40 +74,48 @@ class FSDPConfig(BackendConfig):
     def __post_init__(self) -> None:
         strategy = str(self.sharding_strategy).upper()
         if strategy not in SHARDING_STRATEGIES:
-            raise ValueError(
+            raise ConfigError(
                 f"The provided sharding_strategy ({self.sharding_strategy!r}) is not supported. "
                 f"Must be one of {', '.join(repr(s) for s in SHARDING_STRATEGIES)}."
             )
         self.sharding_strategy = strategy
         if self.auto_wrap_policy not in AUTO_WRAP_POLICIES:
-            raise ValueError(
+            raise ConfigError(
                 f"The provided auto_wrap_policy ({self.auto_wrap_policy!r}) is not supported. "
                 f"Must be one of {', '.join(repr(p) for p in AUTO_WRAP_POLICIES)}."
             )
         if isinstance(self.min_num_params, bool) or not isinstance(self.min_num_params, int):
-            raise ValueError(f"min_num_params must be a positive int; got {self.min_num_params!r}.")
+            raise ConfigTypeError(
+                f"min_num_params must be a positive int; got {self.min_num_params!r}."
+            )
         if self.min_num_params < 1:
-            raise ValueError(f"min_num_params must be a positive int; got {self.min_num_params}.")
+            raise ConfigError(f"min_num_params must be a positive int; got {self.min_num_params}.")
 
 
-class FSDPBackend(Backend):
-    """PyTorch FullyShardedDataParallel (gloo on CPU, nccl on GPU)."""
+class FSDPStrategy(TorchStrategy):
+    """Worker side of ``fsdp``: trainable models wrapped in FSDP, optimizers over their shards.
 
-    name = "fsdp"
-    framework = "torch"
-    config_cls = FSDPConfig
+    In local mode (no process group) nothing is wrapped and the plain torch
+    behaviour of :class:`~polytrain.backends.strategy.TorchStrategy` applies.
+    """
+
     config: FSDPConfig
 
-    # ----------------------------------------------------------------- driver
-    def on_start(self, group: Any, ctx_template: WorkerContext) -> None:
-        """Driver: one ``torch.distributed`` process group over all workers."""
-        start_process_group(group, ctx_template)
+    # ------------------------------------------------------------ preparation
+    def make_precision(self, ctx: WorkerContext) -> Precision:
+        """Worker: fp16/bf16 with ``use_fp16``; FSDP's ShardedGradScaler for fp16 on GPU.
 
-    def on_shutdown(self, group: Any) -> None:
-        """Driver: destroy the process groups (dead workers are fine)."""
-        stop_process_group(group)
+        The scaler's inf checks span the shards. When the models are sharded, FSDP's
+        MixedPrecision casts parameters and inputs itself: the forward runs without
+        autocast.
+        """
+        scaler = None
+        if ctx.use_fp16 and ctx.device.type == "cuda" and not ctx.local_mode:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    # ----------------------------------------------------------------- worker
+            scaler = ShardedGradScaler()
+        return default_precision(ctx, cast_forward=not _sharding.shards(ctx), scaler=scaler)
+
     def prepare(self, components: Components, ctx: WorkerContext) -> Components:
         """Worker: wrap every trainable model in FSDP; rebuild the optimizers over its shards.
 
@@ -171,20 +186,7 @@ class FSDPBackend(Backend):
         dtype = torch.float16 if ctx.device.type == "cuda" else torch.bfloat16
         return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype)
 
-    def autocast(self, ctx: WorkerContext) -> contextlib.AbstractContextManager:
-        """Worker: none when FSDP's MixedPrecision casts parameters and inputs itself."""
-        if _sharding.shards(ctx):
-            return contextlib.nullcontext()
-        return super().autocast(ctx)
-
-    def make_scaler(self, ctx: WorkerContext) -> Any:
-        """Worker: FSDP's ShardedGradScaler for fp16 on GPU (inf checks span the shards)."""
-        if ctx.use_fp16 and ctx.device.type == "cuda" and not ctx.local_mode:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            return ShardedGradScaler()
-        return super().make_scaler(ctx)
-
+    # ------------------------------------------------------------------- step
     def no_sync(self, components: Components) -> contextlib.AbstractContextManager:
         """Worker: FSDP's ``no_sync`` (unsharded gradients accumulate until the next sync)."""
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -195,6 +197,7 @@ class FSDPBackend(Backend):
                 stack.enter_context(model.no_sync())
         return stack
 
+    # ------------------------------------------------------------------ state
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Worker: the user's module (its submodules may still hold nested FSDP units)."""
         return getattr(model, "module", model)
@@ -293,6 +296,17 @@ class FSDPBackend(Backend):
         ]
 
 
+class FSDPBackend(Backend):
+    """PyTorch FullyShardedDataParallel (gloo on CPU, nccl on GPU)."""
+
+    name = "fsdp"
+    framework = "torch"
+    config_cls = FSDPConfig
+    rendezvous_cls = TorchDistributedRendezvous
+    strategy_cls = FSDPStrategy
+    config: FSDPConfig
+
+
 def _broadcast_from_rank0(model: torch.nn.Module) -> None:
     import torch.distributed as dist
 
@@ -331,11 +345,11 @@ def _name_keyed(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
     """A torch index-keyed optimizer state keyed by parameter names, as FSDP loads it.
 
     Raises:
-        ValueError: the state does not have one entry per parameter of the optimizer.
+        CheckpointError: the state does not have one entry per parameter of the optimizer.
     """
     indices = [i for group in state["param_groups"] for i in group["params"]]
     if len(indices) != len(names):
-        raise ValueError(
+        raise CheckpointError(
             f"The checkpoint's optimizer state covers {len(indices)} parameters; this "
             f"optimizer has {len(names)}. Load a checkpoint of the same model and optimizer."
         )

@@ -1,25 +1,64 @@
-"""Backend names, aliases and descriptions; the only place that dispatches on a name.
+"""The backend registry: every fact polytrain knows about a backend, in one entry each.
 
-Entries point at ``module:Class`` strings, so listing or resolving backends
-imports no framework; :func:`get_backend` imports the one module asked for.
+An entry (:class:`BackendSpec`) names the backend, its aliases, framework,
+description, the modules it needs and the extra that installs them (so install
+hints, ``polytrain check`` rows and error messages derive from it), and the
+cases the shared backend test-suite runs it with. Entries point at
+``module:Class`` strings, so listing or resolving backends imports no
+framework; :func:`get_backend` imports the one module asked for. This is the
+only place that dispatches on a backend's name.
+
+A new backend is its own module (a :class:`~polytrain.backends.base.Backend`
+subclass binding a config, a rendezvous and a strategy) plus one
+:func:`register_backend` call below (plus its extra in ``setup.cfg``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from polytrain.backends.base import Backend, BackendConfig
-from polytrain.compat.imports import MissingDependencyError, install_hint, module_available
+from polytrain.compat.imports import install_hint, module_available, register_install_hint
+from polytrain.errors import ConfigError, MissingDependencyError, UnknownBackendError
+
+__all__ = [
+    "BackendSpec",
+    "TestCase",
+    "UnknownBackendError",
+    "available_backends",
+    "describe_backends",
+    "get_backend",
+    "get_backend_class",
+    "get_spec",
+    "register_backend",
+    "resolve_backend_name",
+]
 
 
-class UnknownBackendError(ValueError):
-    """A backend name that is neither a registered name nor an alias."""
+@dataclass(frozen=True)
+class TestCase:
+    """One way the shared backend test-suite runs a backend.
+
+    Attributes:
+        id: the pytest id (``"deepspeed-zero2"``).
+        backend_config: the ``backend_config`` of this case.
+        parity_tol: the largest parameter difference allowed against 2-worker DDP
+            after the parity run (0.0: bit-identical).
+    """
+
+    __test__ = False  # not a pytest class
+
+    id: str
+    backend_config: dict[str, Any] | None = None
+    parity_tol: float = 1e-5
 
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """One registry entry.
+    """One registry entry: everything polytrain knows about a backend.
 
     Attributes:
         name: the canonical name (``backend="..."``).
@@ -28,6 +67,12 @@ class BackendSpec:
         description: one line for listings (``polytrain check``, the README).
         aliases: other accepted spellings.
         requires: modules that must be importable for the backend to work.
+        extra: the ``polytrain[...]`` extra that installs them (None: a core dependency).
+        install: the install command when ``pip install "polytrain[extra]"`` is not
+            enough (Horovod is built against the installed torch).
+        test_cases: how the shared backend test-suite runs it.
+        presets: aliases that also set options, ``{alias: backend_config}``; e.g.
+            RaySGD's ``backend="gloo"`` is ``ddp`` with ``dist_backend="gloo"``.
     """
 
     name: str
@@ -36,11 +81,29 @@ class BackendSpec:
     description: str
     aliases: tuple[str, ...] = ()
     requires: tuple[str, ...] = field(default_factory=tuple)
+    extra: str | None = None
+    install: str | None = None
+    test_cases: tuple[TestCase, ...] = ()
+    presets: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def installed(self) -> bool:
         """True when every required module can be found (nothing is imported)."""
         return all(module_available(m) for m in self.requires)
+
+    @property
+    def missing(self) -> list[str]:
+        """The required modules that cannot be found."""
+        return [m for m in self.requires if not module_available(m)]
+
+    @property
+    def install_hint(self) -> str:
+        """The command that installs what this backend needs."""
+        if self.install:
+            return self.install
+        if self.extra:
+            return f'pip install "polytrain[{self.extra}]"'
+        return install_hint((self.missing or list(self.requires) or ["polytrain"])[0])
 
 
 _SPECS: dict[str, BackendSpec] = {}
@@ -51,19 +114,22 @@ def register_backend(spec: BackendSpec, *, replace: bool = False) -> None:
     """Add a backend to the registry (also for user-defined backends).
 
     Raises:
-        ValueError: the name or an alias is taken and ``replace`` is False.
+        ConfigError: the name or an alias is taken and ``replace`` is False.
     """
-    keys = (spec.name, *spec.aliases)
+    keys = (spec.name, *spec.aliases, *spec.presets)
     if not replace:
         for key in keys:
             if key.lower() in _ALIASES:
-                raise ValueError(
+                raise ConfigError(
                     f"Backend name '{key}' is already registered (for "
                     f"'{_ALIASES[key.lower()]}'); pass replace=True to override it."
                 )
     _SPECS[spec.name] = spec
     for key in keys:
         _ALIASES[key.lower()] = spec.name
+    if spec.extra or spec.install:
+        for module in spec.requires:
+            register_install_hint(module, spec.install_hint)
 
 
 def _valid_names(framework: str | None = None) -> str:
@@ -71,7 +137,8 @@ def _valid_names(framework: str | None = None) -> str:
     for spec in _SPECS.values():
         if framework and spec.framework != framework:
             continue
-        alias = f" (alias: {', '.join(spec.aliases)})" if spec.aliases else ""
+        aliases = [*spec.aliases, *(f"{p} = {spec.name} with {c}" for p, c in spec.presets.items())]
+        alias = f" (alias: {', '.join(aliases)})" if aliases else ""
         parts.append(f"'{spec.name}'{alias}")
     return ", ".join(parts)
 
@@ -117,12 +184,11 @@ def get_backend_class(name: str, framework: str | None = None) -> type[Backend]:
             f"{framework} backends only: {_valid_names(framework)}. Use "
             f"{trainer[spec.framework]} for '{spec.name}'."
         )
-    for module in spec.requires:
-        if not module_available(module):
-            raise MissingDependencyError(
-                f"Backend '{spec.name}' needs '{module}', which is not installed. "
-                f"Install it with: {install_hint(module)}"
-            )
+    if spec.missing:
+        raise MissingDependencyError(
+            f"Backend '{spec.name}' needs '{spec.missing[0]}', which is not installed. "
+            f"Install it with: {spec.install_hint}"
+        )
     module_name, class_name = spec.target.split(":")
     return getattr(importlib.import_module(module_name), class_name)
 
@@ -139,9 +205,11 @@ def get_backend(
         config: the backend's typed config, or a dict of its fields.
         framework: when given, reject backends of another framework.
     """
+    if isinstance(backend, str):
+        config = _with_preset(backend, config)
     if isinstance(backend, Backend):
         if config is not None:
-            raise ValueError(
+            raise ConfigError(
                 "backend_config was given together with a Backend instance; configure the "
                 "instance instead (e.g. MyBackend(config))."
             )
@@ -152,6 +220,28 @@ def get_backend(
             )
         return backend
     return get_backend_class(backend, framework)(config)
+
+
+def _with_preset(name: str, config: BackendConfig | dict | None) -> BackendConfig | dict | None:
+    """Merge the options a preset alias (``"gloo"``) sets into ``config``; a conflict is an error."""
+    key = name.strip().lower() if isinstance(name, str) else name
+    spec = get_spec(name)
+    preset = spec.presets.get(key)
+    if not preset:
+        return config
+    if config is None:
+        return dict(preset)
+    given = config if isinstance(config, dict) else dataclasses.asdict(config)
+    clashes = {k: given[k] for k, v in preset.items() if k in given and given[k] != v}
+    if clashes:
+        raise ConfigError(
+            f"backend={name!r} means backend '{spec.name}' with {preset}, but backend_config "
+            f"sets {clashes}. Use backend='{spec.name}' with your backend_config, or drop "
+            f"those keys."
+        )
+    if isinstance(config, dict):
+        return {**config, **preset}
+    return dataclasses.replace(config, **preset)
 
 
 def available_backends(framework: str | None = None, installed_only: bool = True) -> list[str]:
@@ -169,6 +259,11 @@ def describe_backends() -> list[BackendSpec]:
     return list(_SPECS.values())
 
 
+_HOROVOD_BUILD = (
+    "horovod 0.28.1 must be built against the installed torch: run "
+    "`bash scripts/install_horovod.sh` (it wraps the compiler for C++17 and builds with gloo)"
+)
+
 for _spec in (
     BackendSpec(
         "ddp",
@@ -177,6 +272,8 @@ for _spec in (
         "PyTorch DistributedDataParallel on torch.distributed (gloo on CPU, nccl on GPU)",
         aliases=("torch",),
         requires=("torch",),
+        test_cases=(TestCase("ddp", None, 0.0),),
+        presets={"gloo": {"dist_backend": "gloo"}, "nccl": {"dist_backend": "nccl"}},
     ),
     BackendSpec(
         "horovod",
@@ -185,6 +282,9 @@ for _spec in (
         "Horovod ring-allreduce (gloo controller) with hvd.DistributedOptimizer",
         aliases=("hvd",),
         requires=("horovod.torch",),
+        extra="horovod",
+        install=_HOROVOD_BUILD,
+        test_cases=(TestCase("horovod"),),
     ),
     BackendSpec(
         "fairscale",
@@ -193,6 +293,11 @@ for _spec in (
         "fairscale optimizer-state sharding (OSS) with ShardedDataParallel, or FSDP on GPU",
         aliases=("sharded", "fairscale_sharded"),
         requires=("fairscale",),
+        extra="fairscale",
+        test_cases=(
+            TestCase("fairscale-oss", {"mode": "oss"}),
+            TestCase("fairscale-sddp", {"mode": "sddp"}),
+        ),
     ),
     BackendSpec(
         "fsdp",
@@ -201,6 +306,7 @@ for _spec in (
         "PyTorch FullyShardedDataParallel (parameters, gradients and optimizer state sharded)",
         aliases=("torch_fsdp",),
         requires=("torch",),
+        test_cases=(TestCase("fsdp"),),
     ),
     BackendSpec(
         "deepspeed",
@@ -209,6 +315,12 @@ for _spec in (
         "DeepSpeed ZeRO stages 0-3 (gloo fallback on CPU)",
         aliases=("ds", "zero"),
         requires=("deepspeed",),
+        extra="deepspeed",
+        test_cases=(
+            TestCase("deepspeed-zero1", {"stage": 1}),
+            TestCase("deepspeed-zero2", {"stage": 2}),
+            TestCase("deepspeed-zero3", {"stage": 3}, parity_tol=1e-4),
+        ),
     ),
     BackendSpec(
         "mwms",
@@ -217,6 +329,8 @@ for _spec in (
         "TensorFlow MultiWorkerMirroredStrategy configured through TF_CONFIG (tf_keras)",
         aliases=("tensorflow", "tf", "multi_worker_mirrored"),
         requires=("tensorflow", "tf_keras"),
+        extra="tensorflow",
+        test_cases=(TestCase("mwms"),),
     ),
 ):
     register_backend(_spec)

@@ -1,17 +1,23 @@
-"""Process-group plumbing shared by the backends built on ``torch.distributed``."""
+"""Process-group plumbing shared by the backends built on ``torch.distributed``.
+
+:class:`TorchDistributedRendezvous` is the driver side of ddp, fairscale, fsdp and
+deepspeed: it imports no framework; the functions it sends to the workers import
+torch there.
+"""
 
 from __future__ import annotations
 
 import datetime
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
-from polytrain.backends.base import WorkerContext
+from polytrain.backends.context import WorkerContext
+from polytrain.backends.rendezvous import Rendezvous
 from polytrain.launchers.ranks import torch_distributed_env
 from polytrain.launchers.worker import find_free_port
+
+if TYPE_CHECKING:
+    from polytrain.launchers.base import WorkerGroup
 
 # True in a process whose default process group polytrain created: only that one is
 # destroyed on shutdown (in local mode the driver may hold a process group of its own).
@@ -26,6 +32,8 @@ def _init_process_group(
     timeout_s: float,
     env: dict[str, str],
 ) -> None:
+    import torch.distributed as dist
+
     global _created_here
     os.environ.update(env)
     if dist.is_initialized():
@@ -41,6 +49,8 @@ def _init_process_group(
 
 
 def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
     global _created_here
     if _created_here and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -52,7 +62,9 @@ def default_dist_backend(use_gpu: bool) -> str:
     return "nccl" if use_gpu else "gloo"
 
 
-def start_process_group(group: Any, ctx: WorkerContext, dist_backend: str | None = None) -> None:
+def start_process_group(
+    group: WorkerGroup, ctx: WorkerContext, dist_backend: str | None = None
+) -> None:
     """Driver: initialise one ``torch.distributed`` process group across the workers.
 
     Rank 0's host and a free port on it are the rendezvous; every worker also gets
@@ -81,13 +93,31 @@ def start_process_group(group: Any, ctx: WorkerContext, dist_backend: str | None
     group.get(refs)
 
 
-def stop_process_group(group: Any) -> None:
+def stop_process_group(group: WorkerGroup) -> None:
     """Driver: destroy the process groups; tolerate dead workers."""
     group.execute_best_effort(_destroy_process_group, timeout_s=5.0)
 
 
 def module_device_ids(ctx: WorkerContext) -> list[int] | None:
-    """``device_ids`` for DDP-style wrappers: the worker's GPU, or None on CPU."""
+    """Worker: ``device_ids`` for DDP-style wrappers: the worker's GPU, or None on CPU."""
     if ctx.device.type == "cuda":
+        import torch
+
         return [ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()]
     return None
+
+
+class TorchDistributedRendezvous(Rendezvous):
+    """Driver side of the backends built on ``torch.distributed``: one default process group.
+
+    Uses ``config.dist_backend`` when the backend's config has one (None: nccl on
+    GPU, gloo on CPU).
+    """
+
+    def on_start(self, group: WorkerGroup, ctx: WorkerContext) -> None:
+        """Driver: one process group over all workers (none in local mode)."""
+        start_process_group(group, ctx, getattr(self.config, "dist_backend", None))
+
+    def on_shutdown(self, group: WorkerGroup) -> None:
+        """Driver: destroy the process groups (dead workers are fine)."""
+        stop_process_group(group)

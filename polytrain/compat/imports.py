@@ -15,36 +15,37 @@ import sys
 from dataclasses import dataclass
 from types import ModuleType
 
-# module -> the polytrain extra that installs it
-_EXTRA_FOR_MODULE = {
-    "horovod": "horovod",
-    "horovod.torch": "horovod",
-    "fairscale": "fairscale",
-    "deepspeed": "deepspeed",
-    "tensorflow": "tensorflow",
-    "tf_keras": "tensorflow",
-    "pytorch_lightning": "lightning",
-    "torchmetrics": "lightning",
-    "ray.tune": "tune",
+from polytrain.errors import MissingDependencyError
+
+__all__ = [
+    "MissingDependencyError",
+    "Requirement",
+    "install_hint",
+    "module_available",
+    "register_install_hint",
+    "require",
+]
+
+# module -> how to install it. The backends' modules are registered by their registry
+# entries (polytrain.backends.registry), the one source of facts about a backend;
+# these are the features that are not backends.
+_HINTS: dict[str, str] = {
+    "pytorch_lightning": 'pip install "polytrain[lightning]"',
+    "torchmetrics": 'pip install "polytrain[lightning]"',
+    "ray.tune": 'pip install "polytrain[tune]"',
 }
 
-_SPECIAL_HINTS = {
-    "horovod": (
-        "horovod 0.28.1 must be built against the installed torch: run "
-        "`bash scripts/install_horovod.sh` (it wraps the compiler for C++17 and builds with gloo)"
-    ),
-}
+
+def register_install_hint(module: str, hint: str) -> None:
+    """Record how ``module`` is installed (its root package gets the same hint)."""
+    _HINTS[module] = hint
+    _HINTS.setdefault(module.split(".")[0], hint)
 
 
 def install_hint(module: str) -> str:
     """Return the command that installs ``module`` for polytrain."""
     root = module.split(".")[0]
-    extra = _EXTRA_FOR_MODULE.get(module) or _EXTRA_FOR_MODULE.get(root)
-    if root in _SPECIAL_HINTS:
-        return _SPECIAL_HINTS[root]
-    if extra:
-        return f'pip install "polytrain[{extra}]"'
-    return f"pip install {root}"
+    return _HINTS.get(module) or _HINTS.get(root) or f"pip install {root}"
 
 
 @functools.cache
@@ -66,10 +67,6 @@ def module_available(module: str) -> bool:
         return spec is not None
     except (ImportError, ValueError):
         return False
-
-
-class MissingDependencyError(ImportError):
-    """An optional framework that a requested feature needs is not installed."""
 
 
 def require(module: str, feature: str) -> ModuleType:

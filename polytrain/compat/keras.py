@@ -8,7 +8,9 @@ TensorFlow backend starts its workers with that variable and builds models with
 the module :func:`get_keras` returns.
 
 Nothing here imports TensorFlow or Keras at module import time, and nothing of
-polytrain is imported (this is the ground floor).
+polytrain above the ground floor (compat and errors) is imported: the trainer's
+creators (on the driver and in the workers) and the TensorFlow backend's
+strategy share :func:`check_keras_model` from here.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from types import ModuleType
 from typing import Any
 
 from polytrain.compat.imports import require
+from polytrain.errors import CreatorError
 
 #: The environment variable that makes ``tf.keras`` resolve to ``tf_keras``.
 LEGACY_KERAS_VAR = "TF_USE_LEGACY_KERAS"
@@ -69,6 +72,33 @@ def is_legacy_keras_model(obj: Any) -> bool:
     if keras_flavor(obj) != "tf_keras":
         return False
     return isinstance(obj, get_keras().Model)
+
+
+def check_keras_model(model: Any, creator: str) -> None:
+    """Raise a :class:`~polytrain.errors.CreatorError` unless ``model`` is a compiled tf_keras model.
+
+    Args:
+        model: what ``creator`` returned.
+        creator: the creator's name, for the message (e.g. ``"model_creator"``).
+    """
+    if keras_flavor(model) == "keras3":
+        raise CreatorError(
+            f"{creator} returned a Keras 3 model ({type(model).__module__}."
+            f"{type(model).__qualname__}); TFTrainer needs a tf_keras (Keras 2) model. "
+            f"{KERAS3_FIX}"
+        )
+    if not isinstance(model, get_keras().Model):
+        text = repr(model)
+        text = text[:77] + "..." if len(text) > 80 else text
+        raise CreatorError(
+            f"{creator} returned {type(model).__name__} ({text}); expected a compiled "
+            f"tf_keras Model. Signature: model_creator(config) -> keras.Model (compiled)."
+        )
+    if getattr(model, "optimizer", None) is None:
+        raise CreatorError(
+            f"{creator} returned an uncompiled model ({type(model).__name__}); call "
+            f"model.compile(optimizer=..., loss=..., metrics=[...]) inside {creator}."
+        )
 
 
 @contextlib.contextmanager

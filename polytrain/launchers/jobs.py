@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from polytrain.errors import ConfigError
+
 #: Never uploaded with the working directory: environments, VCS data, run outputs.
 DEFAULT_EXCLUDES = (
     ".venv",
@@ -100,7 +102,7 @@ def submit_job(
     """
     command = entrypoint if isinstance(entrypoint, str) else shlex.join(entrypoint)
     if not command.strip():
-        raise ValueError("The job's command is empty; pass it after `--`.")
+        raise ConfigError("The job's command is empty; pass it after `--`.")
     runtime_env: dict[str, Any] = {}
     if working_dir is not None:
         directory = Path(working_dir).expanduser().resolve()

@@ -1,4 +1,4 @@
-"""The worker-group interface in the driver process (``num_workers=0``): no Ray, no actors.
+"""The worker-group contract in the driver process (``num_workers=0``): no Ray, no actors.
 
 For debugging: breakpoints, ``pdb`` and profilers work in creators and operators,
 and exceptions propagate unchanged.
@@ -7,9 +7,11 @@ and exceptions propagate unchanged.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.ranks import RankInfo, WorkerMetadata, compute_ranks
 from polytrain.launchers.worker import Worker
 
@@ -21,11 +23,16 @@ class _Done:
         self.value = value
 
 
-class LocalWorkerGroup:
-    """One in-process "worker" with the :class:`WorkerGroup` interface.
+class LocalWorkerGroup(WorkerGroup):
+    """One in-process "worker" implementing :class:`~polytrain.launchers.base.WorkerGroup`.
 
-    Environment variables the workers would start with are set in the driver
-    while the group runs and restored by :meth:`shutdown`.
+    Calls run at once in the caller's thread, so the "refs" returned by the
+    ``*_async`` methods are already finished. Environment variables the workers
+    would start with are set in the driver while the group runs and restored by
+    :meth:`shutdown`.
+
+    Args:
+        env_vars: environment the worker would start with.
     """
 
     def __init__(self, env_vars: dict[str, str] | None = None) -> None:
@@ -39,8 +46,6 @@ class LocalWorkerGroup:
 
     def start(self) -> None:
         """Set the workers' environment in this process."""
-        import socket
-
         for key, value in self.env_vars.items():
             self._saved_env.setdefault(key, os.environ.get(key))
             os.environ[key] = value
@@ -78,6 +83,14 @@ class LocalWorkerGroup:
     def monitor(self, method: str, timeout_s: float = 10.0) -> list[Any]:
         """Call a monitor method of the in-process worker."""
         return [getattr(self.worker, method)()]
+
+    def monitor_single_async(self, rank: int, method: str) -> Any:
+        """Call a monitor method of the in-process worker; return a finished "ref"."""
+        return _Done(getattr(self.worker, method)())
+
+    def poll(self, ref: Any) -> tuple[bool, Any]:
+        """Always ``(True, value)``: every call here finished when it was made."""
+        return True, ref.value
 
     def get(
         self,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from polytrain.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class WorkerMetadata:
@@ -102,11 +104,11 @@ def split_batch_size(global_batch_size: int, num_workers: int) -> int:
     """The per-worker batch for a global batch: ``global // num_workers`` (at least one worker).
 
     Raises:
-        ValueError: ``global_batch_size`` < ``num_workers`` (some worker would get 0).
+        ConfigError: ``global_batch_size`` < ``num_workers`` (some worker would get 0).
     """
     workers = max(num_workers, 1)
     if global_batch_size < workers:
-        raise ValueError(
+        raise ConfigError(
             f"config['batch_size']={global_batch_size} is the global batch and must be at least "
             f"num_workers={num_workers} (each worker gets batch_size // num_workers samples). "
             f"Raise batch_size or lower num_workers."

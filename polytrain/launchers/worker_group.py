@@ -1,4 +1,10 @@
-"""Start, run functions in, and shut down a group of worker actors in a placement group."""
+"""The Ray implementation of the worker-group contract: actors in a placement group.
+
+:class:`RayWorkerGroup` implements :class:`polytrain.launchers.base.WorkerGroup`.
+The name ``WorkerGroup`` in this module stays an alias of it, and
+:func:`ensure_ray` is re-exported from :mod:`polytrain.launchers.connect`, so
+imports written against the older layout keep working.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +20,15 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from polytrain.errors import InsufficientResourcesError, WorkerDiedError, WorkerError
+from polytrain.errors import (
+    ConfigError,
+    InsufficientResourcesError,
+    WorkerDiedError,
+    WorkerError,
+    worker_error_like,
+)
+from polytrain.launchers import base
+from polytrain.launchers.connect import ensure_ray
 from polytrain.launchers.ranks import (
     RankInfo,
     WorkerMetadata,
@@ -22,76 +36,17 @@ from polytrain.launchers.ranks import (
     order_by_node,
     shared_visible_devices,
 )
+from polytrain.launchers.scaling import PLACEMENT_STRATEGIES
 from polytrain.launchers.worker import Worker
+
+__all__ = ["PLACEMENT_STRATEGIES", "RayWorkerGroup", "WorkerGroup", "ensure_ray"]
 
 logger = logging.getLogger(__name__)
 
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _MONITOR = "monitor"
 
 
-def ensure_ray(address: str | None = None, runtime_env: dict | None = None) -> None:
-    """Connect to Ray: the running instance, ``address``, or a new local one.
-
-    A new local instance has no dashboard and binds to 127.0.0.1. ``runtime_env``
-    applies to every worker of this driver (e.g. PYTHONPATH for creators given by
-    import path). An address that cannot be reached raises a ConnectionError that
-    names it.
-    """
-    if ray.is_initialized():
-        return
-    from ray._private.services import canonicalize_bootstrap_address
-
-    _check_reachable(address)
-
-    try:
-        existing = canonicalize_bootstrap_address(address)
-    except Exception as exc:  # noqa: BLE001 - e.g. "auto" with no cluster running
-        raise ConnectionError(
-            f"Could not find a Ray cluster at address={address!r} ({exc}). Start one with "
-            f"`ray start --head`, or pass address=None to start a local instance."
-        ) from exc
-    try:
-        if existing is None:
-            ray.init(
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                log_to_driver=True,
-                configure_logging=False,
-                runtime_env=runtime_env,
-            )
-        else:
-            ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
-    except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception when a start times out
-        raise ConnectionError(
-            f"Could not connect to Ray at address={address!r} ({type(exc).__name__}: {exc}). "
-            f"Check that the cluster is up (`ray status`), or pass address=None to start a "
-            f"local instance."
-        ) from exc
-
-
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
-    """Fail at once on a ``host:port`` nobody listens on (ray.init would retry for minutes)."""
-    if not address or address in ("auto", "local"):
-        return
-    hostport = address.split("://", 1)[-1].rstrip("/")
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit():
-        return  # let Ray parse and reject it
-    import socket
-
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            pass
-    except OSError as exc:
-        raise ConnectionError(
-            f"Could not connect to Ray at address={address!r}: nothing answers at "
-            f"{host}:{port} ({exc}). Check the address (`ray status` on the head node shows "
-            f"it), or pass address=None to start a local instance."
-        ) from None
 
 
 def _describe_failure(exc: BaseException, rank: int, meta: WorkerMetadata | None) -> WorkerError:
@@ -103,7 +58,9 @@ def _describe_failure(exc: BaseException, rank: int, meta: WorkerMetadata | None
     if isinstance(exc, RayTaskError):
         cause = exc.as_instanceof_cause()
         remote_tb = _ANSI_ESCAPE.sub("", str(exc))
-        error = WorkerError(
+        # Also an instance of the user's exception class, so `except ValueError` still works.
+        error = worker_error_like(
+            exc.cause,
             f"Worker rank {rank}{where} raised {exc.cause.__class__.__name__}: {exc.cause}\n\n"
             f"Remote traceback (rank {rank}):\n{remote_tb}",
             rank=rank,
@@ -114,7 +71,7 @@ def _describe_failure(exc: BaseException, rank: int, meta: WorkerMetadata | None
     return WorkerError(f"Worker rank {rank}{where} failed: {exc!r}", rank=rank)
 
 
-class WorkerGroup:
+class RayWorkerGroup(base.WorkerGroup):
     """A group of :class:`Worker` actors placed together in one placement group.
 
     World rank ``i`` is the ``i``-th worker after co-located workers were made
@@ -128,6 +85,9 @@ class WorkerGroup:
         placement_strategy: one of "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD".
         start_timeout_s: fail if the workers cannot be placed within this time.
         env_vars: environment every worker starts with.
+
+    Raises:
+        ConfigError: an unknown ``placement_strategy``.
     """
 
     def __init__(
@@ -141,7 +101,7 @@ class WorkerGroup:
         env_vars: dict[str, str] | None = None,
     ) -> None:
         if placement_strategy not in PLACEMENT_STRATEGIES:
-            raise ValueError(
+            raise ConfigError(
                 f"placement_strategy={placement_strategy!r} is not supported. Must be one of "
                 f"{PLACEMENT_STRATEGIES}."
             )
@@ -156,10 +116,34 @@ class WorkerGroup:
         self.actors: list[Any] = []
         self.metadata: list[WorkerMetadata] = []
         self.rank_infos: list[RankInfo] = []
+        self.device_indices: list[int] = []
         self._placement_group = None
         self._owns_placement_group = True
 
     # ------------------------------------------------------------------ start
+    def start(self) -> None:
+        """Place and start the actors, then learn where each runs.
+
+        Inside a placement group with a bundle per worker (a Ray Tune trial with the
+        trainable's PlacementGroupFactory), the workers go into the last n bundles of
+        that group instead of a new one, which could never be placed while the trial
+        holds the resources.
+
+        Raises:
+            InsufficientResourcesError: the workers cannot be placed within ``start_timeout_s``.
+            WorkerDiedError: an actor died (or never answered) while starting.
+        """
+        first_bundle = self._reserve_bundles()
+        self._wait_until_placed()
+        actors = self._start_actors(first_bundle)
+        metadata = self._read_metadata(actors)
+        # Co-located workers get contiguous ranks: local ranks follow from world ranks.
+        order = order_by_node([m.node_id for m in metadata])
+        self.actors = [actors[i] for i in order]
+        self.metadata = [metadata[i] for i in order]
+        self.rank_infos = compute_ranks([m.node_id for m in self.metadata])
+        self._assign_devices()
+
     def _requested(self) -> str:
         return f"{self.num_workers} worker(s) x {self.bundle} ({self.placement_strategy})"
 
@@ -178,81 +162,77 @@ class WorkerGroup:
                     )
                 )
 
-    def start(self) -> None:
-        """Place and start the actors, then learn where each runs.
-
-        Inside a placement group with a bundle per worker (a Ray Tune trial with the
-        trainable's PlacementGroupFactory), the workers go into the last n bundles of
-        that group instead of a new one, which could never be placed while the trial
-        holds the resources.
-
-        Raises:
-            InsufficientResourcesError: the workers cannot be placed within ``start_timeout_s``.
-        """
+    def _reserve_bundles(self) -> int:
+        """Set :attr:`_placement_group` (the trial's own, or a new one); return the first bundle index."""
         current = ray.util.get_current_placement_group()
         if current is not None and len(current.bundle_specs) >= self.num_workers:
             # The workers take the last n bundles: Tune puts the trainable's bundle first,
             # and drops it when the trainable reserves nothing.
-            pg, self._owns_placement_group = current, False
-            first_bundle = len(current.bundle_specs) - self.num_workers
-        else:
-            self._check_feasible()
-            pg = placement_group(
-                [dict(self.bundle) for _ in range(self.num_workers)],
-                strategy=self.placement_strategy,
-            )
-            first_bundle, self._owns_placement_group = 0, True
-        self._placement_group = pg
-        ready, _ = ray.wait([pg.ready()], timeout=self.start_timeout_s)
-        if not ready:
-            available = ray.available_resources()
-            total = ray.cluster_resources()
-            self.shutdown()
-            raise InsufficientResourcesError(
-                f"Could not place {self._requested()} within start_timeout_s="
-                f"{self.start_timeout_s:g}s. Available now: {_fmt(available)}; cluster total: "
-                f"{_fmt(total)}. Lower num_workers or the per-worker resources, free the "
-                f"cluster, add nodes, or raise start_timeout_s."
-            )
+            self._placement_group, self._owns_placement_group = current, False
+            return len(current.bundle_specs) - self.num_workers
+        self._check_feasible()
+        self._placement_group = placement_group(
+            [dict(self.bundle) for _ in range(self.num_workers)],
+            strategy=self.placement_strategy,
+        )
+        self._owns_placement_group = True
+        return 0
+
+    def _wait_until_placed(self) -> None:
+        ready, _ = ray.wait([self._placement_group.ready()], timeout=self.start_timeout_s)
+        if ready:
+            return
+        available = ray.available_resources()
+        total = ray.cluster_resources()
+        self.shutdown()
+        raise InsufficientResourcesError(
+            f"Could not place {self._requested()} within start_timeout_s="
+            f"{self.start_timeout_s:g}s. Available now: {_fmt(available)}; cluster total: "
+            f"{_fmt(total)}. Lower num_workers or the per-worker resources, free the "
+            f"cluster, add nodes, or raise start_timeout_s."
+        )
+
+    def _start_actors(self, first_bundle: int) -> list[Any]:
         remote_cls = ray.remote(concurrency_groups={_MONITOR: 2})(Worker)
+        # Workers take the driver's CPU priority (Ray's default worker niceness is 15).
         niceness = os.getpriority(os.PRIO_PROCESS, 0)
-        actors = [
+        self.actors = [
             remote_cls.options(
                 num_cpus=self.bundle["CPU"],
                 num_gpus=self.bundle.get("GPU", 0),
                 resources={k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=first_bundle + i
+                    placement_group=self._placement_group,
+                    placement_group_bundle_index=first_bundle + i,
                 ),
                 max_restarts=0,
             ).remote(self.env_vars, niceness)
             for i in range(self.num_workers)
         ]
-        self.actors = actors
+        return self.actors
+
+    def _read_metadata(self, actors: list[Any]) -> list[WorkerMetadata]:
         try:
-            metadata = ray.get(
-                [a.metadata.remote() for a in actors], timeout=self.start_timeout_s + 60
-            )
+            return ray.get([a.metadata.remote() for a in actors], timeout=self.start_timeout_s + 60)
         except (RayActorError, GetTimeoutError) as exc:
             self.shutdown()
             raise WorkerDiedError(
                 f"Workers failed to start: {exc}", rank=-1, remote_traceback=str(exc)
             ) from exc
-        order = order_by_node([m.node_id for m in metadata])
-        self.actors = [actors[i] for i in order]
-        self.metadata = [metadata[i] for i in order]
-        self.rank_infos = compute_ranks([m.node_id for m in self.metadata])
-        if self.bundle.get("GPU"):
-            visible = shared_visible_devices(self.metadata)
-            self.get(
-                [
-                    actor.set_env_vars.remote({"CUDA_VISIBLE_DEVICES": devices})
-                    for actor, (devices, _) in zip(self.actors, visible, strict=True)
-                ]
-            )
-            self.device_indices = [index for _, index in visible]
-        else:
+
+    def _assign_devices(self) -> None:
+        """Let co-located GPU workers see each other's devices (needed by nccl's P2P)."""
+        if not self.bundle.get("GPU"):
             self.device_indices = [-1] * self.num_workers
+            return
+        visible = shared_visible_devices(self.metadata)
+        self.get(
+            [
+                actor.set_env_vars.remote({"CUDA_VISIBLE_DEVICES": devices})
+                for actor, (devices, _) in zip(self.actors, visible, strict=True)
+            ]
+        )
+        self.device_indices = [index for _, index in visible]
 
     # -------------------------------------------------------------- execute
     def __len__(self) -> int:
@@ -262,19 +242,11 @@ class WorkerGroup:
         """Start ``fn(*args, **kwargs)`` on every worker; return the object refs."""
         return [a.execute.remote(fn, *args, **kwargs) for a in self.actors]
 
-    def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """Run ``fn`` on every worker and return the results in rank order."""
-        return self.get(self.execute_async(fn, *args, **kwargs))
-
     def execute_single_async(
         self, rank: int, fn: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> Any:
         """Start ``fn`` on the worker of world rank ``rank``; return its object ref."""
         return self.actors[rank].execute.remote(fn, *args, **kwargs)
-
-    def execute_single(self, rank: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn`` on the worker of world rank ``rank`` and return its result."""
-        return self.get([self.execute_single_async(rank, fn, *args, **kwargs)], ranks=[rank])[0]
 
     def execute_best_effort(self, fn: Callable[..., Any], timeout_s: float = 5.0) -> None:
         """Run ``fn`` on every worker, waiting at most ``timeout_s``; failures are ignored.
@@ -290,15 +262,18 @@ class WorkerGroup:
         except Exception:  # noqa: BLE001 - best effort by definition
             logger.debug("best-effort call %s failed", getattr(fn, "__name__", fn), exc_info=True)
 
+    def share(self, value: Any) -> Any:
+        """Put ``value`` into Ray's object store once; every worker reads the same copy."""
+        return ray.put(value)
+
+    # -------------------------------------------------------------- monitor
     def monitor(self, method: str, timeout_s: float = 10.0) -> list[Any]:
         """Call a monitor method (``progress``, ``stacks``, ``ping``) on every worker.
 
         Answered from the actors' monitor threads, so it works while training runs or
         is stuck. A worker that does not answer in time yields its exception instead.
         """
-        refs = [
-            getattr(a, method).options(concurrency_group=_MONITOR).remote() for a in self.actors
-        ]
+        refs = [self.monitor_single_async(rank, method) for rank in range(len(self.actors))]
         results: list[Any] = []
         deadline = time.monotonic() + timeout_s
         for ref in refs:
@@ -313,6 +288,17 @@ class WorkerGroup:
         actor = self.actors[rank]
         return getattr(actor, method).options(concurrency_group=_MONITOR).remote()
 
+    def poll(self, ref: Any) -> tuple[bool, Any]:
+        """``(done, value)`` of an object ref without waiting; a failed call's value is ``None``."""
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            return False, None
+        try:
+            return True, ray.get(ref)
+        except Exception:  # noqa: BLE001 - a dead worker is reported by the caller's main wait
+            return True, None
+
+    # ------------------------------------------------------------------ get
     def get(
         self,
         refs: Sequence[Any],
@@ -380,6 +366,10 @@ class WorkerGroup:
             except Exception:  # noqa: BLE001
                 pass
         self._placement_group = None
+
+
+#: The name this class had before the contract was declared; kept for existing imports.
+WorkerGroup = RayWorkerGroup
 
 
 def _fmt(resources: dict[str, float]) -> str:

@@ -9,7 +9,7 @@ class WorkerGroupEnvironment(ClusterEnvironment):
     """Ranks as the polytrain worker group assigned them.
 
     The worker group, not Lightning, starts the processes and the backend's
-    ``on_start`` hook, not Lightning, does the rendezvous; this environment only
+    rendezvous (its ``on_start``), not Lightning, connects them; this environment only
     tells Lightning where the current process sits. On the driver it describes
     rank 0 of a group of ``world_size`` workers that does not exist yet.
 
@@ -31,12 +31,12 @@ class WorkerGroupEnvironment(ClusterEnvironment):
 
     @property
     def main_address(self) -> str:
-        """Unused: the backend's ``on_start`` hook did the rendezvous."""
+        """Unused: the backend's rendezvous connected the workers."""
         return "127.0.0.1"
 
     @property
     def main_port(self) -> int:
-        """Unused: the backend's ``on_start`` hook did the rendezvous."""
+        """Unused: the backend's rendezvous connected the workers."""
         return 0
 
     @staticmethod

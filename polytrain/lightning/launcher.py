@@ -14,7 +14,10 @@ from lightning_fabric.utilities import move_data_to_device
 from pytorch_lightning.strategies.launchers.launcher import _Launcher
 from pytorch_lightning.trainer.states import TrainerFn, TrainerState
 
+from polytrain.backends.context import WorkerContext
+from polytrain.backends.rendezvous import Rendezvous
 from polytrain.backends.torch_distributed import start_process_group
+from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.worker import WORKER_STATE
 from polytrain.lightning.tune import TUNE_QUEUE_KEY, TuneReportCallback, report_to_tune
 
@@ -40,12 +43,13 @@ class _WorkerOutput:
 class RayLauncher(_Launcher):
     """Runs a Trainer entry point (``_fit_impl``, ``_test_impl``, ...) on Ray actors.
 
-    ``launch`` starts a :class:`~polytrain.launchers.worker_group.WorkerGroup`, lets
-    the strategy's backend connect the workers (``on_start``), sends one pickled
-    copy of the Trainer, the LightningModule and the call's arguments to every
-    actor, runs the entry point there and copies rank 0's results into the
-    driver's Trainer and LightningModule. The group is torn down after each call.
-    A worker's exception reaches the driver with its rank and remote traceback.
+    ``launch`` starts a worker group with :func:`~polytrain.launchers.factory.make_group`
+    (the strategy's ``scaling``), lets the backend's rendezvous connect the workers
+    (``on_start``), sends one pickled copy of the Trainer, the LightningModule and
+    the call's arguments to every actor, runs the entry point there and copies
+    rank 0's results into the driver's Trainer and LightningModule. The group is
+    torn down after each call. A worker's exception reaches the driver with its
+    rank and remote traceback.
 
     Args:
         strategy: the :class:`~polytrain.lightning.RayStrategy` that owns this launcher.
@@ -53,7 +57,7 @@ class RayLauncher(_Launcher):
 
     def __init__(self, strategy: Any) -> None:
         self._strategy = strategy
-        self._group: Any = None
+        self._group: WorkerGroup | None = None
 
     @property
     def is_interactive_compatible(self) -> bool:
@@ -72,55 +76,25 @@ class RayLauncher(_Launcher):
                 "RayLauncher.launch needs the Trainer (trainer=...): it runs Trainer entry "
                 "points (fit, validate, test, predict) only."
             )
-        import ray
-
-        from polytrain.launchers.worker_group import WorkerGroup, ensure_ray
+        from polytrain.launchers.factory import make_group  # imports Ray's side lazily
 
         strategy = self._strategy
-        backend = strategy.backend
         # Actors may run in another directory (or on another node): ship absolute paths.
         _absolutize_paths(trainer)
-        ensure_ray(strategy.address)
-        group = WorkerGroup(
-            num_workers=strategy.num_workers,
-            num_cpus_per_worker=strategy.num_cpus_per_worker,
-            num_gpus_per_worker=1 if strategy.use_gpu else 0,
-            resources_per_worker=strategy.resources_per_worker,
-            placement_strategy=strategy.placement_strategy,
-            start_timeout_s=strategy.start_timeout_s,
-            env_vars=strategy._launcher_env_vars(),
-        )
+        rendezvous = strategy.backend.make_rendezvous()
+        group = make_group(strategy.scaling, env_vars=_worker_env_vars(rendezvous))
         group.start()
         self._group = group
         tune_queue = None
         try:
             tune_queue = _make_tune_queue(trainer)
             ctx = strategy._context_template()
-            backend.on_start(group, ctx)
+            rendezvous.on_start(group, ctx)
             _ensure_torch_process_group(group, ctx)
-            # A bound Trainer method travels as its name: the Trainer copy inside the
-            # payload is the one it must run on.
-            if getattr(function, "__self__", None) is trainer:
-                function = function.__name__
-            payload = ray.put((trainer, function, args, kwargs))
-            refs = [
-                group.execute_single_async(
-                    rank, _run_on_worker, payload, info, device, os.getcwd(), tune_queue
-                )
-                for rank, (info, device) in enumerate(
-                    zip(group.rank_infos, group.device_indices, strict=True)
-                )
-            ]
-            poll = (lambda: _forward_tune_reports(tune_queue)) if tune_queue is not None else None
-            outputs = group.get(refs, on_poll=poll, poll_interval_s=0.2)
-            if tune_queue is not None:
-                _forward_tune_reports(tune_queue)
+            outputs = _run_on_group(group, trainer, function, args, kwargs, tune_queue)
         finally:
             self._group = None
-            try:
-                backend.on_shutdown(group)
-            except Exception:  # noqa: BLE001 - shutdown goes on with dead workers
-                logger.debug("backend.on_shutdown failed", exc_info=True)
+            rendezvous.shutdown(group)  # never raises: shutdown goes on with dead workers
             group.shutdown()
             if tune_queue is not None:
                 tune_queue.shutdown()
@@ -140,6 +114,45 @@ class RayLauncher(_Launcher):
         return state
 
 
+def _worker_env_vars(rendezvous: Rendezvous) -> dict[str, str]:
+    # Lightning's seed_everything() records the seed in PL_* variables; the workers
+    # re-seed from them (reset_seed) like processes that Lightning starts itself.
+    env = {k: v for k, v in os.environ.items() if k.startswith("PL_")}
+    env.update(rendezvous.worker_env_vars())
+    return env
+
+
+def _run_on_group(
+    group: WorkerGroup,
+    trainer: Any,
+    function: Callable | str,
+    args: tuple,
+    kwargs: dict[str, Any],
+    tune_queue: Any,
+) -> list[_WorkerOutput | None]:
+    """Run the entry point on every worker, forwarding Tune reports while waiting."""
+    import ray
+
+    # A bound Trainer method travels as its name: the Trainer copy inside the
+    # payload is the one it must run on.
+    if getattr(function, "__self__", None) is trainer:
+        function = function.__name__
+    payload = ray.put((trainer, function, args, kwargs))  # once for all workers
+    refs = [
+        group.execute_single_async(
+            rank, _run_on_worker, payload, info, device, os.getcwd(), tune_queue
+        )
+        for rank, (info, device) in enumerate(
+            zip(group.rank_infos, group.device_indices, strict=True)
+        )
+    ]
+    poll = (lambda: _forward_tune_reports(tune_queue)) if tune_queue is not None else None
+    outputs = group.get(refs, on_poll=poll, poll_interval_s=0.2)
+    if tune_queue is not None:
+        _forward_tune_reports(tune_queue)
+    return outputs
+
+
 def _absolutize_paths(trainer: Any) -> None:
     root = getattr(trainer, "_default_root_dir", None)
     if isinstance(root, str) and "://" not in root:
@@ -154,12 +167,12 @@ def _process_group_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _ensure_torch_process_group(group: Any, ctx: Any) -> None:
+def _ensure_torch_process_group(group: WorkerGroup, ctx: WorkerContext) -> None:
     """A torch.distributed group for Lightning's own collectives, if the backend made none.
 
     ``self.log(sync_dist=True)``, torchmetrics and Lightning's barriers talk
     through torch.distributed. Backends built on it (ddp, fairscale, fsdp,
-    deepspeed) have set one up in ``on_start``; for the others (Horovod) a gloo
+    deepspeed) have set one up in their rendezvous; for the others (Horovod) a gloo
     group next to the backend's own communication carries these small messages.
     """
     if ctx.world_size < 2 or all(group.execute(_process_group_ready)):

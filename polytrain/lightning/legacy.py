@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
+from polytrain.errors import ConfigTypeError
+
 _REPLACEMENTS = {
     "RayPlugin": "RayStrategy",
     "HorovodRayPlugin": "RayHorovodStrategy",
@@ -13,13 +15,17 @@ _REPLACEMENTS = {
 
 
 class _RemovedPlugin:
-    """Raises on construction: Lightning 2.x takes distributed training as a strategy."""
+    """Raises on construction: Lightning 2.x takes distributed training as a strategy.
+
+    Raises:
+        polytrain.errors.ConfigTypeError: always (a ``TypeError``), naming the replacement.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> NoReturn:
         name = type(self).__name__
         replacement = _REPLACEMENTS[name]
         given = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
-        raise TypeError(
+        raise ConfigTypeError(
             f"{name}({given}) is the Lightning 1.x spelling, passed as "
             f"`Trainer(plugins=[{name}(...)])`. Lightning 2.x takes distributed training as a "
             f"strategy: use `Trainer(strategy={replacement}({given}))` with "

@@ -7,6 +7,7 @@ from typing import Any
 
 from pytorch_lightning.callbacks import Callback
 
+from polytrain.errors import ConfigError
 from polytrain.launchers.worker import WORKER_STATE
 
 _HOOKS = ("validation_end", "train_epoch_end")
@@ -37,6 +38,9 @@ class TuneReportCallback(Callback):
         metrics: which ``trainer.callback_metrics`` to report: None for all, a list
             of names, or a dict ``{name reported to Tune: name logged in Lightning}``.
         on: when to report: "validation_end" (default) or "train_epoch_end".
+
+    Raises:
+        polytrain.errors.ConfigError: ``on`` is not one of them (a ``ValueError``).
     """
 
     def __init__(
@@ -45,7 +49,7 @@ class TuneReportCallback(Callback):
         on: str = "validation_end",
     ) -> None:
         if on not in _HOOKS:
-            raise ValueError(f"on={on!r} is not supported. Must be one of {_HOOKS}.")
+            raise ConfigError(f"on={on!r} is not supported. Must be one of {_HOOKS}.")
         if isinstance(metrics, str):
             metrics = [metrics]
         if metrics is not None and not isinstance(metrics, Mapping):

@@ -2,6 +2,8 @@
 
 The trainers accept these dataclasses, plain dicts of their fields, or (for the
 common options) flat keyword arguments such as ``num_workers=2``.
+:class:`ScalingConfig` lives in :mod:`polytrain.launchers.scaling` (the worker
+groups are built from it) and is re-exported here.
 """
 
 from __future__ import annotations
@@ -10,91 +12,28 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from polytrain.errors import ConfigError
+from polytrain.errors import ConfigError, ConfigTypeError
+from polytrain.launchers.scaling import (
+    PLACEMENT_STRATEGIES,
+    ScalingConfig,
+    check_int,
+    check_number,
+)
 
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 SCHEDULER_STEP_FREQS = ("batch", "epoch", "manual")
 
+__all__ = [
+    "PLACEMENT_STRATEGIES",
+    "SCHEDULER_STEP_FREQS",
+    "CheckpointConfig",
+    "FailureConfig",
+    "ScalingConfig",
+    "check_user_config",
+    "coerce_config",
+    "merge_flat_options",
+]
+
 T = TypeVar("T")
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(
-            f"{name} must be an int >= {minimum}; got {type(value).__name__}: {value!r}."
-        )
-    if value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}; got {value}.")
-
-
-def _check_number(name: str, value: Any, minimum: float, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
-        raise ConfigError(
-            f"{name} must be a number >= {minimum}{' or None' if allow_none else ''}; "
-            f"got {value!r}."
-        )
-
-
-@dataclass
-class ScalingConfig:
-    """How many workers, with which resources, placed how.
-
-    Attributes:
-        num_workers: worker actors to start; 0 runs one worker in the driver process
-            (local mode, no Ray: for debugging).
-        use_gpu: reserve one GPU per worker and train on it (nccl for torch backends).
-        num_cpus_per_worker: CPUs reserved per worker; also the worker's torch threads.
-        resources_per_worker: extra custom Ray resources per worker.
-        placement_strategy: "PACK" (default: as few nodes as possible), "SPREAD",
-            "STRICT_PACK" or "STRICT_SPREAD".
-        start_timeout_s: fail if the workers cannot be placed within this many seconds.
-        address: the Ray cluster to join ("auto", "ray://...", host:port); None uses a
-            running instance or starts a local one.
-        min_workers: elastic training: after a failure, go on with as many workers as
-            the cluster can hold, down to ``min_workers`` (the global batch stays the
-            same, so each worker's batch grows), and grow back to ``num_workers`` at an
-            epoch boundary once resources return. None: always ``num_workers``.
-    """
-
-    num_workers: int = 1
-    use_gpu: bool = False
-    num_cpus_per_worker: float = 1
-    resources_per_worker: dict[str, float] | None = None
-    placement_strategy: str = "PACK"
-    start_timeout_s: float = 30.0
-    address: str | None = None
-    min_workers: int | None = None
-
-    def __post_init__(self) -> None:
-        _check_int("num_workers", self.num_workers, 0)
-        if self.min_workers is not None:
-            _check_int("min_workers", self.min_workers, 1)
-            if self.min_workers > max(self.num_workers, 1) or self.num_workers == 0:
-                raise ConfigError(
-                    f"min_workers={self.min_workers} must be between 1 and num_workers="
-                    f"{self.num_workers} (and num_workers >= 1: local mode is not elastic)."
-                )
-        if not isinstance(self.use_gpu, bool):
-            raise ConfigError(f"use_gpu must be True or False; got {self.use_gpu!r}.")
-        _check_number("num_cpus_per_worker", self.num_cpus_per_worker, 0)
-        _check_number("start_timeout_s", self.start_timeout_s, 0)
-        if self.placement_strategy not in PLACEMENT_STRATEGIES:
-            raise ConfigError(
-                f"placement_strategy={self.placement_strategy!r} is not supported. Must be one "
-                f"of {PLACEMENT_STRATEGIES}."
-            )
-
-    @property
-    def local_mode(self) -> bool:
-        """True for ``num_workers=0``: one worker in the driver process, no Ray."""
-        return self.num_workers == 0
-
-    @property
-    def world_size(self) -> int:
-        """Number of training processes (1 in local mode)."""
-        return max(self.num_workers, 1)
 
 
 @dataclass
@@ -117,9 +56,9 @@ class FailureConfig:
     collective_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
-        _check_int("max_retries", self.max_retries, 0)
-        _check_number("hang_timeout_s", self.hang_timeout_s, 0, allow_none=True)
-        _check_number("collective_timeout_s", self.collective_timeout_s, 1)
+        check_int("max_retries", self.max_retries, 0)
+        check_number("hang_timeout_s", self.hang_timeout_s, 0, allow_none=True)
+        check_number("collective_timeout_s", self.collective_timeout_s, 1)
 
 
 @dataclass
@@ -136,35 +75,109 @@ class CheckpointConfig:
     num_to_keep: int = 2
 
     def __post_init__(self) -> None:
-        _check_int("num_to_keep", self.num_to_keep, 1)
+        check_int("num_to_keep", self.num_to_keep, 1)
 
 
 def coerce_config(cls: type[T], value: Any, name: str) -> T:
-    """Build option group ``cls`` from an instance, a dict of its fields or None."""
+    """Build option group ``cls`` from an instance, a dict of its fields or None.
+
+    Raises:
+        ConfigTypeError: an unknown key, or a value that is none of the three.
+        ConfigError: a field value the option group rejects.
+    """
     if value is None:
         return cls()
     if isinstance(value, cls):
         return value
     if isinstance(value, dict):
-        allowed = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(value) - set(allowed))
-        if unknown:
-            raise ConfigError(f"Unknown {name} key(s) {unknown}. Allowed keys: {allowed}.")
+        _check_keys(cls, value, name)
         return cls(**value)
-    raise ConfigError(
+    raise ConfigTypeError(
         f"{name} must be a {cls.__name__}, a dict or None; got {type(value).__name__}: {value!r}."
     )
 
 
+def _check_keys(cls: type, value: dict[str, Any], name: str) -> None:
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise ConfigTypeError(f"Unknown {name} key(s) {unknown}. Allowed keys: {allowed}.")
+
+
+def _explicit_keys(cls: type, value: Any) -> set[str]:
+    """The fields ``value`` (a dict or an instance of ``cls``) sets itself.
+
+    A dict sets the keys it contains. An instance cannot tell a field passed with
+    its default value from one left out, so it counts as setting the fields
+    whose value differs from the default.
+    """
+    if value is None:
+        return set()
+    if isinstance(value, dict):
+        return set(value)
+    explicit = set()
+    for field in dataclasses.fields(cls):
+        if field.default is not dataclasses.MISSING:
+            default = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        else:
+            explicit.add(field.name)  # no default: always given
+            continue
+        if getattr(value, field.name) != default:
+            explicit.add(field.name)
+    return explicit
+
+
 def merge_flat_options(cls: type[T], value: Any, name: str, **flat: Any) -> T:
-    """``coerce_config`` plus flat keyword shortcuts; a key given both ways is an error."""
+    """``coerce_config`` plus flat keyword shortcuts (``num_workers=2``).
+
+    A shortcut whose value is None is not given. A given shortcut fills in its
+    field of the option group, unless the group sets that field too: then the
+    option is given twice and this raises, even when both values agree. A dict
+    group sets the keys it contains; an instance sets the fields that differ from
+    their defaults (an instance cannot tell an explicit default from an omitted
+    field). So ``num_workers=4, scaling_config={"address": "auto"}`` is fine, and
+    ``num_workers=4, scaling_config={"num_workers": 2}`` is an error.
+
+    Raises:
+        ConfigError: an option given both ways.
+        ConfigTypeError: ``value`` of the wrong type, or an unknown key.
+    """
     given = {k: v for k, v in flat.items() if v is not None}
-    config = coerce_config(cls, value, name)
-    if not given:
-        return config
-    if value is not None:
+    if isinstance(value, dict):
+        _check_keys(cls, value, name)
+    elif value is not None and not isinstance(value, cls):
+        coerce_config(cls, value, name)  # raises the type error
+    twice = sorted(set(given) & _explicit_keys(cls, value))
+    if twice:
         raise ConfigError(
-            f"{sorted(given)} given both as keyword argument(s) and inside {name}; "
+            f"{twice} given both as keyword argument(s) and inside {name}; "
             f"set each option in one place."
         )
-    return dataclasses.replace(config, **given)
+    if isinstance(value, dict):
+        # One construction with everything: fields are validated together
+        # (e.g. min_workers against a num_workers given as a shortcut).
+        return cls(**{**value, **given})
+    config = coerce_config(cls, value, name)
+    return dataclasses.replace(config, **given) if given else config
+
+
+def check_user_config(config: Any) -> dict[str, Any]:
+    """A copy of the user's hyperparameters, with ``batch_size`` (the global batch) checked.
+
+    Raises:
+        ConfigTypeError: ``config`` is not a dict (or None).
+        ConfigError: ``batch_size`` is not a positive int.
+    """
+    if config is not None and not isinstance(config, dict):
+        raise ConfigTypeError(f"config must be a dict; got {type(config).__name__}: {config!r}.")
+    config = dict(config or {})
+    batch = config.get("batch_size")
+    if "batch_size" in config and (
+        isinstance(batch, bool) or not isinstance(batch, int) or batch < 1
+    ):
+        raise ConfigError(
+            f"config['batch_size'] must be a positive int (the global batch); got {batch!r}."
+        )
+    return config

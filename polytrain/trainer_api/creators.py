@@ -22,7 +22,7 @@ _SIGNATURES = {
 
 
 def _describe(value: Any) -> str:
-    text = repr(value)
+    text = " ".join(repr(value).split())  # one line, also for multi-line reprs
     if len(text) > 80:
         text = text[:77] + "..."
     return f"{type(value).__name__} ({text})"
@@ -55,17 +55,45 @@ def _as_tuple(value: Any) -> tuple[Any, ...]:
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
-def check_return(
-    name: str, value: Any, expected: type | tuple[type, ...], what: str
-) -> tuple[Any, ...]:
-    """Validate a creator's return value; always returns a tuple of the created objects."""
+class Created(tuple):
+    """The objects a creator built, as a tuple that remembers how the creator returned them.
+
+    The next creator receives them the same way (RaySGD's rule): one object when
+    one was returned, a list when a list was, a tuple when a tuple was.
+    """
+
+    returned: type | None = None  # list, tuple, or None for a single object
+
+    def __new__(cls, items: Any, returned: type | None = None) -> Created:
+        created = super().__new__(cls, items)
+        created.returned = returned
+        return created
+
+    def as_returned(self) -> Any:
+        """The objects in the shape the creator returned them."""
+        if self.returned is None:
+            return self[0]
+        return self.returned(self)
+
+
+def check_return(name: str, value: Any, expected: type | tuple[type, ...], what: str) -> Created:
+    """Validate a creator's return value; returns the created objects as a :class:`Created` tuple."""
     items = _as_tuple(value)
     if not items or not all(isinstance(item, expected) for item in items):
         raise CreatorError(
             f"{name} returned {_describe(value)}; expected {what}. "
             f"Signature: {_SIGNATURES.get(name, name)}."
         )
-    return items
+    return Created(items, type(value) if isinstance(value, (list, tuple)) else None)
+
+
+def _check_not_instance(name: str, value: Any, kind: type, how: str) -> None:
+    """Refuse a built object where a function that builds it belongs (``model_creator=MyNet()``)."""
+    if isinstance(value, kind):
+        raise CreatorError(
+            f"{name} received {_describe(value)}, an instance; polytrain needs a function that "
+            f"builds it on every worker. Write {how}. Signature: {_SIGNATURES[name]}."
+        )
 
 
 @dataclass
@@ -83,6 +111,7 @@ class TorchCreators:
     scheduler_creator: Callable[[Any, dict], Any] | None = None
 
     def __post_init__(self) -> None:
+        self._check_instances()
         check_callable("model_creator", self.model_creator, 1)
         check_callable("data_creator", self.data_creator, 1)
         check_callable("optimizer_creator", self.optimizer_creator, 2)
@@ -97,7 +126,38 @@ class TorchCreators:
         if self.loss_creator is not None and not inspect.isclass(self.loss_creator):
             check_callable("loss_creator", self.loss_creator, 1)
 
-    def create_models(self, config: dict) -> tuple[torch.nn.Module, ...]:
+    def _check_instances(self) -> None:
+        import torch
+
+        _check_not_instance(
+            "model_creator",
+            self.model_creator,
+            torch.nn.Module,
+            f"model_creator=lambda config: {type(self.model_creator).__name__}(...) (or a "
+            f"def that returns a new model)",
+        )
+        _check_not_instance(
+            "optimizer_creator",
+            self.optimizer_creator,
+            torch.optim.Optimizer,
+            f"optimizer_creator=lambda model, config: torch.optim."
+            f"{type(self.optimizer_creator).__name__}(model.parameters(), lr=config['lr'])",
+        )
+        _check_not_instance(
+            "data_creator",
+            self.data_creator,
+            (torch.utils.data.DataLoader, torch.utils.data.Dataset),
+            "data_creator=lambda config: DataLoader(dataset, batch_size=config['batch_size']) "
+            "(or return the Dataset from the function: it is batched for you)",
+        )
+        if isinstance(self.loss_creator, torch.nn.Module):
+            raise CreatorError(
+                f"loss_creator received {_describe(self.loss_creator)}, an instance; pass the "
+                f"class (loss_creator={type(self.loss_creator).__name__}) or a function "
+                f"config -> loss. {_SIGNATURES['loss_creator']}."
+            )
+
+    def create_models(self, config: dict) -> Created:
         """Call ``model_creator`` and check it built modules."""
         import torch
 
@@ -108,26 +168,22 @@ class TorchCreators:
             "a torch.nn.Module or a tuple of them",
         )
 
-    def create_optimizers(
-        self, models: tuple[torch.nn.Module, ...], config: dict
-    ) -> tuple[Any, ...]:
-        """Call ``optimizer_creator`` with the model (or the tuple of models)."""
+    def create_optimizers(self, models: tuple[torch.nn.Module, ...], config: dict) -> Created:
+        """Call ``optimizer_creator`` with the models as ``model_creator`` returned them."""
         import torch
 
-        arg = models[0] if len(models) == 1 else models
         return check_return(
             "optimizer_creator",
-            self.optimizer_creator(arg, config),
+            self.optimizer_creator(_as_returned(models), config),
             torch.optim.Optimizer,
             "a torch.optim.Optimizer or a tuple of them",
         )
 
     def create_schedulers(self, optimizers: tuple[Any, ...], config: dict) -> tuple[Any, ...]:
-        """Call ``scheduler_creator`` (if any) with the optimizer (or the tuple of optimizers)."""
+        """Call ``scheduler_creator`` (if any) with the optimizers as ``optimizer_creator`` returned them."""
         if self.scheduler_creator is None:
             return ()
-        arg = optimizers[0] if len(optimizers) == 1 else optimizers
-        value = self.scheduler_creator(arg, config)
+        value = self.scheduler_creator(_as_returned(optimizers), config)
         schedulers = _as_tuple(value)
         if not schedulers or not all(
             hasattr(s, "step") and hasattr(s, "state_dict") for s in schedulers
@@ -155,10 +211,21 @@ class TorchCreators:
         return loss
 
     def create_data(self, config: dict) -> tuple[Any, Any]:
-        """Call ``data_creator``; returns ``(train_loader, val_loader or None)``."""
+        """Call ``data_creator``; returns ``(train_loader, val_loader or None)``.
+
+        A ``Dataset`` (map-style) is wrapped in a ``DataLoader`` with the per-worker
+        ``config["batch_size"]``, shuffled for training; the trainer then gives it the
+        distributed sampler like any loader.
+        """
         import torch
 
         value = self.data_creator(config)
+        if isinstance(value, (tuple, list)) and len(value) == 2:
+            value = type(value)(
+                _loader_for(v, config, training=i == 0) for i, v in enumerate(value)
+            )
+        else:
+            value = _loader_for(value, config, training=True)
         if isinstance(value, (tuple, list)) and len(value) == 2:
             train, val = value
         elif isinstance(value, (tuple, list)):
@@ -179,3 +246,32 @@ class TorchCreators:
                     f"torch.utils.data.DataLoader (or another iterable of batches)."
                 )
         return train, val
+
+
+def _as_returned(created: tuple[Any, ...]) -> Any:
+    if isinstance(created, Created):
+        return created.as_returned()
+    return created[0] if len(created) == 1 else created  # a plain tuple from older callers
+
+
+def _loader_for(value: Any, config: dict, training: bool) -> Any:
+    """Wrap a map-style ``Dataset`` in a ``DataLoader`` of the per-worker batch; others pass."""
+    from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+    if not isinstance(value, Dataset) or isinstance(value, DataLoader):
+        return value
+    if isinstance(value, IterableDataset):
+        raise CreatorError(
+            f"data_creator returned {_describe(value)}, an IterableDataset: polytrain cannot "
+            f"give it a distributed sampler, so every worker would train on the same samples. "
+            f"Return a DataLoader over it that yields this worker's share (shard by "
+            f"torch.distributed.get_rank()), and pass add_dist_sampler=False."
+        )
+    batch_size = config.get("batch_size")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool):
+        raise CreatorError(
+            f"data_creator returned {_describe(value)}, a Dataset; polytrain batches it with "
+            f"config['batch_size'] (the global batch), which is not set (got {batch_size!r}). "
+            f"Set config['batch_size'], or return a DataLoader."
+        )
+    return DataLoader(value, batch_size=batch_size, shuffle=training)

@@ -5,8 +5,8 @@ A :class:`TrainingOperator` runs inside every worker. The default
 ``(features, target)`` batch; override it (and :meth:`validate_batch`) for GANs,
 multiple losses or any other step. Whatever differs between backends (how to
 back-propagate, step, skip gradient sync, autocast) is reached through the
-operator's methods, which ask the backend: a custom operator written once runs
-on every backend.
+operator's methods, which ask the backend's worker-side strategy: a custom
+operator written once runs on every backend.
 """
 
 from __future__ import annotations
@@ -18,13 +18,16 @@ from typing import Any
 
 import torch
 
-from polytrain.backends.base import Backend, Components, WorkerContext
+from polytrain.backends.base import Backend
+from polytrain.backends.context import Components, WorkerContext
+from polytrain.backends.strategy import TorchStrategy
+from polytrain.errors import PolytrainError
 from polytrain.launchers.worker import report_progress
 from polytrain.trainer_api.data import move_to_device
 from polytrain.trainer_api.results import is_finite_number
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteLossError(PolytrainError, FloatingPointError):
     """The loss became NaN or infinite (fail-fast; disable with ``check_finite_loss=False``)."""
 
 
@@ -34,7 +37,9 @@ class TrainingOperator:
     Attributes available in every hook: ``model``/``models``, ``optimizer``/
     ``optimizers``, ``criterion``, ``scheduler``/``schedulers``, ``train_loader``,
     ``val_loader``, ``config`` (this worker's config: ``batch_size`` is the
-    per-worker batch), ``device``, ``world_rank``, ``world_size``, ``use_fp16``.
+    per-worker batch), ``device``, ``world_rank``, ``world_size``, ``use_fp16``,
+    ``backend`` (the :class:`~polytrain.backends.base.Backend`: name and options) and
+    ``strategy`` (its worker side, which the helpers below call).
     """
 
     def __init__(
@@ -45,10 +50,12 @@ class TrainingOperator:
         context: WorkerContext,
         scheduler_step_freq: str = "batch",
         check_finite_loss: bool = True,
+        strategy: TorchStrategy | None = None,
     ) -> None:
         self.config = config
         self.components = components
         self.backend = backend
+        self.strategy: TorchStrategy = strategy or backend.make_strategy()
         self.context = context
         self.scheduler_step_freq = scheduler_step_freq
         self.check_finite_loss = check_finite_loss
@@ -100,23 +107,23 @@ class TrainingOperator:
     # ------------------------------------------------- backend-aware helpers
     def autocast(self) -> contextlib.AbstractContextManager:
         """Mixed-precision context for the forward pass (a no-op unless ``use_fp16``)."""
-        return self.backend.autocast(self.context)
+        return self.strategy.autocast(self.components)
 
     def zero_grad(self) -> None:
         """Clear gradients the way the backend needs it."""
-        self.backend.zero_grad(self.components)
+        self.strategy.zero_grad(self.components)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate through the backend (scaling, engines, allreduce hooks)."""
-        self.backend.backward(loss, self.components)
+        self.strategy.backward(loss, self.components)
 
     def step(self, optimizer_index: int | None = None) -> None:
         """Apply gradients through the backend; steps per-batch schedulers if configured."""
-        self.backend.step(self.components, optimizer_index)
+        self.strategy.step(self.components, optimizer_index)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Context for gradient accumulation: backward passes inside it do not synchronise."""
-        return self.backend.no_sync(self.components)
+        return self.strategy.no_sync(self.components)
 
     def to_device(self, batch: Any) -> Any:
         """Move every tensor in ``batch`` to this worker's device."""

@@ -26,125 +26,51 @@ checks run on the values. Errors name the full key path and what is allowed.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import importlib
 import inspect
 import os
-import re
-import sys
-import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import pydantic
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from polytrain.backends.registry import get_spec, resolve_backend_name
-from polytrain.errors import ConfigError
+from polytrain.errors import ConfigError, ConfigTypeError
 from polytrain.trainer_api.config import CheckpointConfig, FailureConfig, ScalingConfig
-
-__all__ = ["RunConfig", "load_config", "parse_overrides", "trainer_from_config"]
-
-#: The default backend of each ``trainer:`` value.
-DEFAULT_BACKEND = {"torch": "ddp", "tensorflow": "mwms"}
-#: Where the trainer class of each ``trainer:`` value lives.
-TRAINER_CLASSES = {
-    "torch": "polytrain.trainer_api.torch_trainer:TorchTrainer",
-    "tensorflow": "polytrain.trainer_api.tf_trainer:TFTrainer",
-}
-#: Run-config key -> trainer keyword argument, for the creators.
-CREATOR_KEYS = {
-    "model": "model_creator",
-    "data": "data_creator",
-    "optimizer": "optimizer_creator",
-    "loss": "loss_creator",
-    "scheduler": "scheduler_creator",
-    "operator": "training_operator_cls",
-}
-
-_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)?$")
-
-
-# --------------------------------------------------------------------- YAML
-class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-3`` as a float (YAML 1.2), not as a string.
-
-    PyYAML implements YAML 1.1, whose float pattern needs a dot; learning rates
-    written as ``1e-3`` would otherwise arrive in ``config`` as strings.
-    """
-
-
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-        |\.[0-9_]+(?:[eE][-+][0-9]+)?
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
+from polytrain.trainer_api.run_config_imports import (
+    connect_ray,
+    import_object,
+    make_importable_on_workers,
+    put_cwd_on_path,
+    worker_runtime_env,
+)
+from polytrain.trainer_api.run_config_schema import (
+    CREATOR_KEYS,
+    DEFAULT_BACKEND,
+    TRAINER_CLASSES,
+    CheckpointSection,
+    FailureSection,
+    ScalingSection,
+    apply_overrides,
+    check_import_path,
+    config_error_from,
+    parse_overrides,
+    yaml_load,
 )
 
-
-def _yaml_load(text: str, source: str) -> Any:
-    try:
-        return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source} is not valid YAML: {exc}") from None
-
-
-# ------------------------------------------------------------------- schema
-def _check_import_path(value: str | None) -> str | None:
-    if value is not None and not _IMPORT_PATH.match(value):
-        raise ValueError(
-            f"must be an import path such as 'package.module:attribute'; got {value!r}"
-        )
-    return value
-
-
-class _Section(BaseModel):
-    """A config section generated from one of the option dataclasses."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    target: ClassVar[type]
-
-    @model_validator(mode="after")
-    def _dataclass_checks(self) -> _Section:
-        # The dataclass's __post_init__ holds the range and choice checks.
-        self.build()
-        return self
-
-    def build(self) -> Any:
-        """The option dataclass with this section's values."""
-        return self.target(**self.model_dump())
-
-
-def _section_model(cls: type) -> type[_Section]:
-    hints = typing.get_type_hints(cls)
-    fields: dict[str, Any] = {}
-    for field in dataclasses.fields(cls):
-        if field.default is not dataclasses.MISSING:
-            default = field.default
-        elif field.default_factory is not dataclasses.MISSING:
-            default = Field(default_factory=field.default_factory)
-        else:  # pragma: no cover - every option field has a default
-            default = ...
-        fields[field.name] = (hints[field.name], default)
-    model = pydantic.create_model(
-        f"{cls.__name__}Section", __base__=_Section, __doc__=cls.__doc__, **fields
-    )
-    model.target = cls
-    return model
-
-
-ScalingSection = _section_model(ScalingConfig)
-FailureSection = _section_model(FailureConfig)
-CheckpointSection = _section_model(CheckpointConfig)
+__all__ = [
+    "CREATOR_KEYS",
+    "DEFAULT_BACKEND",
+    "TRAINER_CLASSES",
+    "RunConfig",
+    "connect_ray",
+    "import_object",
+    "load_config",
+    "parse_overrides",
+    "trainer_from_config",
+    "worker_runtime_env",
+]
 
 
 class RunConfig(BaseModel):
@@ -203,7 +129,7 @@ class RunConfig(BaseModel):
     @field_validator(*CREATOR_KEYS)
     @classmethod
     def _import_paths(cls, value: str | None) -> str | None:
-        return _check_import_path(value)
+        return check_import_path(value)
 
     @field_validator("backend")
     @classmethod
@@ -218,18 +144,18 @@ class RunConfig(BaseModel):
             self.backend = DEFAULT_BACKEND[self.trainer]
         spec = get_spec(self.backend)
         if spec.framework != self.trainer:
-            raise ValueError(
+            raise ConfigError(
                 f"backend: '{self.backend}' is a {spec.framework} backend, but trainer is "
                 f"'{self.trainer}'; set trainer: {spec.framework} or pick one of the "
                 f"{self.trainer} backends"
             )
         for flat in ("num_workers", "use_gpu"):
             if getattr(self, flat) is not None and flat in self.scaling.model_fields_set:
-                raise ValueError(
+                raise ConfigError(
                     f"{flat}: set both at the top level and as scaling.{flat}; set it in one place"
                 )
         if self.trainer == "torch" and self.optimizer is None:
-            raise ValueError(
+            raise ConfigError(
                 "optimizer: required for trainer 'torch' (an import path such as "
                 "'examples.digits:optimizer_creator')"
             )
@@ -273,7 +199,7 @@ class RunConfig(BaseModel):
         """A new config with dotted-key overrides applied (see :func:`load_config`)."""
         raw = self.model_dump(by_alias=True, exclude_unset=True)
         raw["backend"] = self.backend
-        return _validate(_apply_overrides(raw, overrides), self.source)
+        return _validate(apply_overrides(raw, overrides), self.source)
 
     # ------------------------------------------------------------ build
     def resolve_creators(self) -> dict[str, Any]:
@@ -282,7 +208,7 @@ class RunConfig(BaseModel):
         Import paths resolve relative to the current working directory, which is put
         on ``sys.path`` first.
         """
-        _put_cwd_on_path()
+        put_cwd_on_path()
         return {
             kwarg: import_object(getattr(self, key), key)
             for key, kwarg in CREATOR_KEYS.items()
@@ -314,7 +240,7 @@ class RunConfig(BaseModel):
             if takes_any or name in params:
                 kwargs[name] = value
             elif name in always or name in self.model_fields_set:
-                raise ConfigError(
+                raise ConfigTypeError(
                     f"{config_key.get(name, name)}: {trainer_cls.__name__} does not take this "
                     f"option (it takes: {', '.join(params)}); remove it from the config."
                 )
@@ -339,7 +265,7 @@ class RunConfig(BaseModel):
         scaling = self.scaling_config()
         if not scaling.local_mode:
             connect_ray(scaling.address)
-            _make_importable_on_workers(kwargs.values())
+            make_importable_on_workers(kwargs.values())
         return trainer_cls(**kwargs)
 
     def _check_backend_config(self) -> None:
@@ -349,49 +275,12 @@ class RunConfig(BaseModel):
         try:
             backend_cls.config_cls.from_value(self.backend_config, self.backend_name)
         except (TypeError, ValueError) as exc:
-            raise ConfigError(
-                f"Invalid run config {self.source}:\n  - backend_config: {exc}"
-            ) from None
+            # An unknown key or a wrong type stays a TypeError (ConfigTypeError).
+            error = ConfigTypeError if isinstance(exc, TypeError) else ConfigError
+            raise error(f"Invalid run config {self.source}:\n  - backend_config: {exc}") from None
 
 
 # ---------------------------------------------------------------- loading
-def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
-    model: Any = RunConfig
-    for part in loc:
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        model = field.annotation
-    if not (isinstance(model, type) and issubclass(model, BaseModel)):
-        return []
-    return [f.alias or name for name, f in model.model_fields.items()]
-
-
-def _format_error(error: Mapping[str, Any]) -> str:
-    loc = tuple(error["loc"])
-    path = ".".join(str(p) for p in loc)
-    kind = error["type"]
-    if kind == "extra_forbidden":
-        allowed = _allowed_keys(loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        return f"{path}: unknown key{hint}; allowed: {', '.join(allowed)}"
-    if kind == "missing":
-        return f"{path}: required, but missing"
-    message = str(error["msg"])
-    for prefix in ("Value error, ", "Assertion failed, "):
-        message = message.removeprefix(prefix)
-    if kind in ("value_error", "assertion_error"):
-        # The option dataclasses' checks start with the field's name: point at it.
-        first = re.match(r"\w+", message)
-        if first and message.startswith(f"{first.group()}:") and not path:
-            return message
-        if first and first.group() in _allowed_keys(loc):
-            path = f"{path}.{first.group()}" if path else first.group()
-        return f"{path}: {message}" if path else message
-    return f"{path}: {message}; got {type(error['input']).__name__}: {error['input']!r}"
-
-
 def _validate(raw: Any, source: str) -> RunConfig:
     if not isinstance(raw, dict):
         raise ConfigError(
@@ -401,60 +290,9 @@ def _validate(raw: Any, source: str) -> RunConfig:
     try:
         run = RunConfig.model_validate(raw)
     except pydantic.ValidationError as exc:
-        lines = "\n".join(f"  - {_format_error(e)}" for e in exc.errors(include_url=False))
-        raise ConfigError(f"Invalid run config {source}:\n{lines}") from None
+        raise config_error_from(RunConfig, exc, source) from None
     run._source = source
     return run
-
-
-def parse_overrides(overrides: Mapping[str, Any] | Iterable[str] | None) -> dict[str, Any]:
-    """Turn ``["backend=horovod", "config.lr=0.1"]`` into ``{"backend": "horovod", ...}``.
-
-    Values of ``key=value`` strings are YAML scalars (``4`` is an int, ``true`` a bool,
-    ``1e-3`` a float, ``null`` None); a mapping's values are used as they are.
-    """
-    if overrides is None:
-        return {}
-    if isinstance(overrides, Mapping):
-        return dict(overrides)
-    parsed: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, value = str(item).partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ConfigError(
-                f"Override {item!r} must look like key=value, e.g. backend=horovod or "
-                f"config.lr=0.1."
-            )
-        parsed[key] = _yaml_load(value, f"override {item!r}")
-    return parsed
-
-
-def _apply_overrides(
-    raw: dict[str, Any], overrides: Mapping[str, Any] | Iterable[str] | None
-) -> dict[str, Any]:
-    raw = dict(raw)
-    for dotted, value in parse_overrides(overrides).items():
-        parts = dotted.split(".")
-        if not all(parts):
-            raise ConfigError(f"Override key {dotted!r} has an empty part; use e.g. config.lr.")
-        node = raw
-        for depth, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = {}
-            elif isinstance(child, BaseModel):
-                child = child.model_dump(exclude_unset=True)
-            elif not isinstance(child, dict):
-                where = ".".join(parts[: depth + 1])
-                raise ConfigError(
-                    f"Override {dotted}={value!r}: {where} is {child!r}, not a mapping, so it "
-                    f"has no key '{parts[depth + 1]}'."
-                )
-            node[part] = child = dict(child)
-            node = child
-        node[parts[-1]] = value
-    return raw
 
 
 def load_config(
@@ -474,7 +312,7 @@ def load_config(
     file = Path(path).expanduser()
     if not file.is_file():
         raise ConfigError(f"Run config {str(file)!r} does not exist (or is not a file).")
-    raw = _yaml_load(file.read_text(), str(file))
+    raw = yaml_load(file.read_text(), str(file))
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -482,7 +320,7 @@ def load_config(
             f"{file} must hold a mapping of run-config keys (model:, data:, backend:, ...); "
             f"got {type(raw).__name__}."
         )
-    return _validate(_apply_overrides(raw, overrides), str(file))
+    return _validate(apply_overrides(raw, overrides), str(file))
 
 
 def trainer_from_config(
@@ -506,111 +344,3 @@ def trainer_from_config(
     else:
         run = load_config(path_or_config, overrides)
     return run.build_trainer(trainer_cls)
-
-
-# ------------------------------------------------------------- importing
-def _put_cwd_on_path() -> str:
-    cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
-    return cwd
-
-
-def import_object(path: str, key: str = "import path") -> Any:
-    """Import ``package.module:attr`` (or ``package.module.attr``).
-
-    Raises:
-        ConfigError: naming the config key, the path and why it failed.
-    """
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ConfigError(
-            f"{key}: {path!r} is not an import path; write 'package.module:attribute'."
-        )
-    try:
-        value: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(
-            f"{key}: cannot import module '{module_name}' of {path!r} ({type(exc).__name__}: "
-            f"{exc}). Paths resolve relative to the current directory ({os.getcwd()}) and "
-            f"sys.path; run from your project root or install the package."
-        ) from exc
-    for part in attr.split("."):
-        try:
-            value = getattr(value, part)
-        except AttributeError:
-            names = [n for n in dir(value) if not n.startswith("_")]
-            close = difflib.get_close_matches(part, names, n=3)
-            hint = f" Did you mean: {', '.join(close)}?" if close else ""
-            raise ConfigError(
-                f"{key}: '{module_name}' has no attribute '{attr}' (from {path!r}).{hint}"
-            ) from None
-    return value
-
-
-def worker_runtime_env() -> dict[str, Any] | None:
-    """A Ray runtime_env that lets workers import the creators' modules from the cwd.
-
-    Inside a Ray job whose runtime_env ships a working_dir or py_modules, the
-    workers can import them already and no change is needed.
-    """
-    import json
-
-    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
-
-    job = os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR)
-    if job:
-        job_env = (json.loads(job).get("runtime_env") or {}) if job else {}
-        if job_env.get("working_dir") or job_env.get("py_modules"):
-            return None
-        if "PYTHONPATH" in (job_env.get("env_vars") or {}):
-            return None  # merging would conflict; the job chose its own path
-    paths = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
-
-
-def connect_ray(address: str | None = None) -> None:
-    """Connect to Ray (the running instance, ``address``, or a new local one).
-
-    Like :func:`polytrain.launchers.worker_group.ensure_ray`, and in addition the
-    workers get the current directory on their ``PYTHONPATH``, so creators given as
-    import paths relative to it (``examples.digits:model_creator``) load there too.
-    Does nothing when Ray is already initialized.
-    """
-    from polytrain.launchers.worker_group import ensure_ray
-
-    ensure_ray(address, runtime_env=worker_runtime_env())
-
-
-def _make_importable_on_workers(objects: Iterable[Any]) -> None:
-    """Ship creators from cwd modules by value when Ray's workers cannot import them.
-
-    A Ray instance started elsewhere (``ray.init()`` in a notebook) may not have the
-    current directory on its workers' path; cloudpickle then sends those modules'
-    code along instead of a reference.
-    """
-    import ray
-    from ray import cloudpickle
-
-    cwd = os.getcwd()
-    env = ray.get_runtime_context().runtime_env or {}
-    worker_paths = (env.get("env_vars") or {}).get("PYTHONPATH", "").split(os.pathsep)
-    if env.get("working_dir") or env.get("py_modules") or cwd in worker_paths:
-        return
-    installed = [Path(p).resolve() for p in (sys.prefix, sys.base_prefix)]
-    for obj in objects:
-        module = sys.modules.get(getattr(obj, "__module__", None) or "")
-        file = Path(getattr(module, "__file__", None) or "/").resolve()
-        root = (module.__name__ if module else "").split(".")[0]
-        if (
-            root
-            and root != "polytrain"
-            and file.is_relative_to(Path(cwd).resolve())
-            and not any(file.is_relative_to(p) for p in installed)
-        ):
-            try:
-                cloudpickle.register_pickle_by_value(sys.modules[root])
-            except ValueError:  # pragma: no cover - already registered
-                pass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +9,7 @@ import numpy as np
 
 from polytrain.backends.base import Backend
 from polytrain.errors import CreatorError
-from polytrain.trainer_api import checkpoint as ckpt
+from polytrain.launchers.base import WorkerGroup
 from polytrain.trainer_api import tf_worker
 from polytrain.trainer_api.config import (
     CheckpointConfig,
@@ -60,6 +59,13 @@ class TFTrainer(BaseTrainer):
     as keras`` works everywhere. A Keras 3 model is rejected with an error that
     says how to fix it.
 
+    Checkpoints (:meth:`state_dict`, :meth:`save`): ``"models"`` is ``[weights]``
+    where ``weights`` is ``model.get_weights()`` (a list of numpy arrays);
+    ``"optimizers"`` is ``[variables]``, the optimizer's variables (iteration count
+    and slots) as numpy arrays, or ``[None]`` before the first step. :meth:`save`
+    stores the arrays as torch tensors in a ``torch.save`` file, so :meth:`load`
+    reads it with ``weights_only=True`` (no arbitrary unpickling).
+
     Args:
         model_creator: ``config -> keras.Model``, compiled (``model.compile(...)``).
             Called inside ``strategy.scope()`` on every worker.
@@ -108,21 +114,19 @@ class TFTrainer(BaseTrainer):
             backend=backend,
             backend_config=backend_config,
             config=config,
+            num_workers=num_workers,
+            use_gpu=use_gpu,
+            num_cpus_per_worker=num_cpus_per_worker,
             scaling_config=scaling_config,
             failure_config=failure_config,
             checkpoint_config=checkpoint_config,
-            scaling_shortcuts={
-                "num_workers": num_workers,
-                "use_gpu": use_gpu,
-                "num_cpus_per_worker": num_cpus_per_worker,
-            },
             use_fp16=False,
             use_tqdm=use_tqdm,
         )
         self._start()
 
     # ------------------------------------------------------------- workers
-    def _setup_workers(self, group: Any) -> None:
+    def _setup_workers(self, group: WorkerGroup) -> None:
         setup = tf_worker.TFWorkerSetup(
             creators=self.creators,
             backend=self.backend,
@@ -135,6 +139,17 @@ class TFTrainer(BaseTrainer):
         ]
         group.get(refs)
 
+    def _worker_state(self) -> dict[str, Any]:
+        return self._run(tf_worker.get_state)[0]
+
+    def _load_worker_state(self, state: dict[str, Any]) -> None:
+        payload = {key: _to_numpy(state.get(key)) for key in _WEIGHT_KEYS}
+        self._run(tf_worker.load_state, self._share(payload))
+
+    def _file_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        # torch tensors: the file is then readable with torch.load(weights_only=True).
+        return {**state, **{key: _to_tensors(state.get(key)) for key in _WEIGHT_KEYS}}
+
     # ------------------------------------------------------------ training
     def train(self, num_steps: int | None = None) -> dict[str, Any]:
         """Train one epoch (or ``num_steps`` global batches) with ``model.fit`` on every worker.
@@ -146,21 +161,16 @@ class TFTrainer(BaseTrainer):
             The chief's view of the epoch: ``epoch``, ``loss`` (the mean over the
             global batch), the compiled metrics (e.g. ``accuracy``), ``num_steps``,
             ``num_samples`` (steps times the global batch), ``epoch_time_s`` (the
-            slowest worker) and ``samples_per_s``.
+            slowest worker), ``samples_per_s``, ``num_restarts``, ``num_workers``
+            and ``checkpoint_path`` (with a ``checkpoint_dir``).
         """
-        self._ensure_open()
-        self._maybe_grow()
-        epoch = self.epoch
+        epoch = self._begin_epoch()
         results = self._run(tf_worker.train_epoch, epoch, num_steps, progress=f"epoch {epoch}")
         self.epoch = epoch + 1
         stats = _chief_stats(results, "epoch_time_s")
-        stats["num_restarts"] = self.num_restarts
-        stats["num_workers"] = self.num_workers
-        if self._keeps_state:  # the epoch-end state a restart resumes from
-            path = self._remember(self.state_dict())
-            if path is not None:
-                stats["checkpoint_path"] = path
-        return stats
+        # The epoch-end state a restart resumes from.
+        state = self._worker_state() if self._keeps_state else None
+        return self._end_epoch(stats, state)
 
     def validate(self, num_steps: int | None = None) -> dict[str, Any]:
         """``model.evaluate`` on the validation data set (all of it, or ``num_steps`` batches).
@@ -171,65 +181,6 @@ class TFTrainer(BaseTrainer):
         """
         results = self._run(tf_worker.validate, num_steps)
         return _chief_stats(results, "time_s")
-
-    # --------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """The training state as a portable checkpoint dict.
-
-        ``"models"`` is ``[weights]`` where ``weights`` is ``model.get_weights()`` (a
-        list of numpy arrays); ``"optimizers"`` is ``[variables]``, the optimizer's
-        variables (iteration count and slots) as numpy arrays, or ``[None]`` before
-        the first step.
-        """
-        state = self._run(tf_worker.get_state)[0]
-        return {
-            "format": ckpt.FORMAT,
-            "version": ckpt.VERSION,
-            "framework": self.framework,
-            "backend": self.backend.name,
-            "world_size": self.scaling.world_size,
-            "epoch": self.epoch,
-            **state,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a state from :meth:`state_dict` or :meth:`load` on every worker (any world size)."""
-        self._ensure_open()
-        ckpt.validate_checkpoint(state, "state", framework=self.framework)
-        payload = {key: _to_numpy(state.get(key)) for key in _WEIGHT_KEYS}
-        if not self.scaling.local_mode:
-            import ray
-
-            payload = ray.put(payload)  # one copy in the object store, shared by all workers
-        self._run(tf_worker.load_state, payload)
-        self.epoch = int(state["epoch"])
-        if self._keeps_state:
-            self._latest_state = state
-
-    def save(self, path: str | os.PathLike) -> str:
-        """Write a checkpoint to ``path`` atomically; returns the absolute path.
-
-        The arrays are stored as torch tensors in a ``torch.save`` file, so
-        :meth:`load` reads it with ``weights_only=True`` (no arbitrary unpickling).
-        """
-        state = self.state_dict()
-        for key in _WEIGHT_KEYS:
-            state[key] = _to_tensors(state.get(key))
-        return str(ckpt.save_checkpoint(state, path))
-
-    def load(self, path: str | os.PathLike) -> None:
-        """Load a checkpoint written by :meth:`save`, at any world size.
-
-        Raises:
-            CheckpointError: the file is missing, corrupted, not a polytrain checkpoint
-                or written by a torch trainer; nothing is loaded then.
-        """
-        self._ensure_open()
-        self.load_state_dict(ckpt.load_checkpoint(path, framework=self.framework))
-
-    def apply_all_workers(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        """Run ``fn(*args)`` in every worker process; returns the results in rank order."""
-        return self._run(fn, *args)
 
     def apply_all_models(self, fn: Callable[[Any], Any]) -> list[Any]:
         """Run ``fn(model)`` on every worker's Keras model; returns the results in rank order."""

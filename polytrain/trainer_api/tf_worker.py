@@ -3,7 +3,12 @@
 Each function is module-level (so it pickles by reference) and keeps what it
 builds in the worker's ``WORKER_STATE``. TensorFlow is imported inside the
 functions: importing this module (on the driver, or when a worker unpickles a
-function) must not start TensorFlow before the backend has set ``TF_CONFIG``.
+function) must not start TensorFlow before the backend's rendezvous has set
+``TF_CONFIG``.
+
+Whatever is specific to a backend comes from its worker side, a
+:class:`~polytrain.backends.strategy.KerasStrategy` that the backend makes in
+every worker: this module knows no backend by name.
 """
 
 from __future__ import annotations
@@ -13,9 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from polytrain.backends.base import Components, WorkerContext
-from polytrain.backends.tensorflow import MultiWorkerMirroredBackend, check_keras_model
-from polytrain.errors import CreatorError
+from polytrain.backends.base import Backend
+from polytrain.backends.context import Components, WorkerContext
+from polytrain.backends.strategy import KerasStrategy
+from polytrain.compat.keras import check_keras_model
+from polytrain.errors import ConfigError, CreatorError
 from polytrain.launchers.worker import WORKER_STATE, report_progress
 from polytrain.trainer_api.creators import _describe, check_callable
 
@@ -77,18 +84,17 @@ class TFWorkerSetup:
     """Everything a worker needs to build its model and data (sent once per start)."""
 
     creators: TFCreators
-    backend: MultiWorkerMirroredBackend
+    backend: Backend
     config: dict[str, Any]
     context: WorkerContext
 
 
 @dataclass
 class TFWorkerState:
-    """What one worker built: the strategy, the model and the data sets."""
+    """What one worker built: the backend's strategy, the model and the data sets."""
 
-    strategy: Any
+    strategy: KerasStrategy
     components: Components
-    backend: MultiWorkerMirroredBackend
     context: WorkerContext
     config: dict[str, Any]
 
@@ -99,24 +105,20 @@ class TFWorkerState:
 
 
 def setup_worker(setup: TFWorkerSetup, rank_info: Any) -> int:
-    """Create the strategy, then the model inside its scope and the data sets.
+    """Make the backend's strategy and its ``tf.distribute`` strategy, then the model in its scope.
+
+    The data sets come next, and the strategy prepares all of them.
 
     Returns:
         The number of training steps per epoch, or -1 when the data set's length is
         unknown or infinite.
     """
     ctx = setup.context.for_rank(rank_info)
-    import tensorflow as tf
-
     if not ctx.local_mode:
-        # Must precede the strategy, which starts TensorFlow's runtime; one thread pool
-        # per reserved CPU keeps co-located workers from oversubscribing the cores.
-        threads = max(1, int(ctx.num_cpus))
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
-    backend = setup.backend
-    strategy = backend.make_strategy(ctx)
-    with strategy.scope():
+        _limit_threads(ctx.num_cpus)
+    strategy = _keras_strategy(setup.backend)
+    distribution = strategy.distribution_strategy(ctx)
+    with distribution.scope():
         model = setup.creators.create_model(setup.config)
     train, val = setup.creators.create_data(setup.config)
     components = Components(
@@ -124,11 +126,31 @@ def setup_worker(setup: TFWorkerSetup, rank_info: Any) -> int:
         optimizers=[model.optimizer],
         train_loader=train,
         val_loader=val,
-        extra={"strategy": strategy},
     )
-    components = backend.prepare(components, ctx)
-    WORKER_STATE[_KEY] = TFWorkerState(strategy, components, backend, ctx, setup.config)
+    with strategy.worker_scope(ctx):
+        components = strategy.prepare(components, ctx)
+    WORKER_STATE[_KEY] = TFWorkerState(strategy, components, ctx, setup.config)
     return _num_batches(components.train_loader)
+
+
+def _limit_threads(num_cpus: float) -> None:
+    import tensorflow as tf
+
+    # Must precede the strategy, which starts TensorFlow's runtime; one thread pool
+    # per reserved CPU keeps co-located workers from oversubscribing the cores.
+    threads = max(1, int(num_cpus))
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
+
+
+def _keras_strategy(backend: Backend) -> KerasStrategy:
+    strategy = backend.make_strategy()
+    if not isinstance(strategy, KerasStrategy):
+        raise ConfigError(
+            f"Backend {backend.name!r} has a {type(strategy).__name__} worker side; a "
+            f"TFTrainer needs a backend with a KerasStrategy (framework 'tensorflow')."
+        )
+    return strategy
 
 
 def _state() -> TFWorkerState:
@@ -254,13 +276,13 @@ def validate(num_steps: int | None) -> dict[str, Any]:
 def get_state() -> dict[str, Any] | None:
     """The model's weights and optimizer variables (rank 0 returns them, others None)."""
     state = _state()
-    return state.backend.full_state_dict(state.components, state.context)
+    return state.strategy.full_state_dict(state.components, state.context)
 
 
 def load_state(payload: dict[str, Any]) -> None:
     """Load weights and optimizer variables on this worker."""
     state = _state()
-    state.backend.load_full_state_dict(state.components, payload, state.context)
+    state.strategy.load_full_state_dict(state.components, payload, state.context)
 
 
 def apply_to_model(fn: Callable[[Any], Any]) -> Any:

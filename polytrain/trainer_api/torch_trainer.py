@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -11,9 +9,9 @@ from typing import Any
 import torch
 
 from polytrain.backends.base import Backend
-from polytrain.errors import ConfigError
+from polytrain.errors import ConfigError, ConfigTypeError
+from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.ranks import split_batch_size
-from polytrain.trainer_api import checkpoint as ckpt
 from polytrain.trainer_api import torch_worker
 from polytrain.trainer_api.config import (
     SCHEDULER_STEP_FREQS,
@@ -26,7 +24,26 @@ from polytrain.trainer_api.operator import TrainingOperator
 from polytrain.trainer_api.results import reduce_worker_stats
 from polytrain.trainer_api.trainer import BaseTrainer
 
-logger = logging.getLogger(__name__)
+#: The parts of a checkpoint dict the workers load (the rest is the envelope).
+_STATE_KEYS = ("models", "optimizers", "schedulers", "scaler", "operator", "global_step")
+
+
+def _operator_class(
+    training_operator_cls: type[TrainingOperator] | None, scheduler_step_freq: str
+) -> type[TrainingOperator]:
+    """Check the options of the training step; return the operator class to use."""
+    if scheduler_step_freq not in SCHEDULER_STEP_FREQS:
+        raise ConfigError(
+            f"scheduler_step_freq={scheduler_step_freq!r} is not supported. Must be one of "
+            f"{SCHEDULER_STEP_FREQS}."
+        )
+    operator_cls = training_operator_cls or TrainingOperator
+    if not (isinstance(operator_cls, type) and issubclass(operator_cls, TrainingOperator)):
+        raise ConfigTypeError(
+            f"training_operator_cls must be a subclass of polytrain.TrainingOperator; got "
+            f"{operator_cls!r}."
+        )
+    return operator_cls
 
 
 class TorchTrainer(BaseTrainer):
@@ -98,21 +115,11 @@ class TorchTrainer(BaseTrainer):
         failure_config: FailureConfig | dict | None = None,
         checkpoint_config: CheckpointConfig | dict | None = None,
     ) -> None:
-        if scheduler_step_freq not in SCHEDULER_STEP_FREQS:
-            raise ConfigError(
-                f"scheduler_step_freq={scheduler_step_freq!r} is not supported. Must be one of "
-                f"{SCHEDULER_STEP_FREQS}."
-            )
-        operator_cls = training_operator_cls or TrainingOperator
-        if not (isinstance(operator_cls, type) and issubclass(operator_cls, TrainingOperator)):
-            raise ConfigError(
-                f"training_operator_cls must be a subclass of polytrain.TrainingOperator; got "
-                f"{operator_cls!r}."
-            )
+        self.operator_cls = _operator_class(training_operator_cls, scheduler_step_freq)
         self.creators = TorchCreators(
             model_creator, data_creator, optimizer_creator, loss_creator, scheduler_creator
         )
-        if loss_creator is None and operator_cls.train_batch is TrainingOperator.train_batch:
+        if loss_creator is None and self.operator_cls.train_batch is TrainingOperator.train_batch:
             raise ConfigError(
                 "loss_creator is required by the default training step; pass one (e.g. "
                 "torch.nn.CrossEntropyLoss) or a training_operator_cls that overrides train_batch."
@@ -121,20 +128,17 @@ class TorchTrainer(BaseTrainer):
             backend=backend,
             backend_config=backend_config,
             config=config,
+            num_workers=num_workers,
+            use_gpu=use_gpu,
+            num_cpus_per_worker=num_cpus_per_worker,
             scaling_config=scaling_config,
             failure_config=failure_config,
             checkpoint_config=checkpoint_config,
-            scaling_shortcuts={
-                "num_workers": num_workers,
-                "use_gpu": use_gpu,
-                "num_cpus_per_worker": num_cpus_per_worker,
-            },
             use_fp16=use_fp16,
             use_tqdm=use_tqdm,
         )
         # Validates the global batch against the worker count (and warns on a remainder).
         self.worker_config = self._per_worker_config(self.config, self.scaling.num_workers)
-        self.operator_cls = operator_cls
         self.scheduler_step_freq = scheduler_step_freq
         self.add_dist_sampler = add_dist_sampler
         self.check_finite_loss = check_finite_loss
@@ -144,22 +148,11 @@ class TorchTrainer(BaseTrainer):
     def _per_worker_config(
         config: dict[str, Any], num_workers: int, warn: bool = True
     ) -> dict[str, Any]:
+        """``config`` with ``batch_size`` (the global batch, already checked) split between workers."""
         worker_config = dict(config)
         if "batch_size" in config:
             global_batch = config["batch_size"]
-            if (
-                isinstance(global_batch, bool)
-                or not isinstance(global_batch, int)
-                or global_batch < 1
-            ):
-                raise ConfigError(
-                    f"config['batch_size'] must be a positive int (the global batch); got "
-                    f"{global_batch!r}."
-                )
-            try:
-                per_worker = split_batch_size(global_batch, num_workers)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
+            per_worker = split_batch_size(global_batch, num_workers)
             if warn and num_workers > 1 and global_batch % num_workers:
                 warnings.warn(
                     f"batch_size={global_batch} does not divide by num_workers={num_workers}: "
@@ -171,7 +164,7 @@ class TorchTrainer(BaseTrainer):
         return worker_config
 
     # ------------------------------------------------------------- workers
-    def _setup_workers(self, group: Any) -> None:
+    def _setup_workers(self, group: WorkerGroup) -> None:
         setup = torch_worker.WorkerSetup(
             creators=self.creators,
             operator_cls=self.operator_cls,
@@ -190,6 +183,13 @@ class TorchTrainer(BaseTrainer):
         ]
         group.get(refs)
 
+    def _worker_state(self) -> dict[str, Any]:
+        return self._run(torch_worker.get_state, self.epoch)[0]
+
+    def _load_worker_state(self, state: dict[str, Any]) -> None:
+        payload = {key: state[key] for key in _STATE_KEYS if key in state}
+        self._run(torch_worker.load_state, self._share(payload))
+
     # ------------------------------------------------------------ training
     def train(
         self, num_steps: int | None = None, info: dict[str, Any] | None = None
@@ -198,12 +198,11 @@ class TorchTrainer(BaseTrainer):
 
         Returns:
             Metrics reduced over workers, weighted by sample count: ``epoch``, ``loss``,
-            ``num_samples``, ``num_steps``, ``samples_per_s``, ``epoch_time_s`` and
-            whatever a custom operator's ``train_batch`` returns.
+            ``num_samples``, ``num_steps``, ``samples_per_s``, ``epoch_time_s``,
+            ``num_restarts``, ``num_workers``, ``checkpoint_path`` (with a
+            ``checkpoint_dir``) and whatever a custom operator's ``train_batch`` returns.
         """
-        self._ensure_open()
-        self._maybe_grow()
-        epoch = self.epoch
+        epoch = self._begin_epoch()
         results = self._run(
             torch_worker.train_epoch,
             epoch,
@@ -216,13 +215,7 @@ class TorchTrainer(BaseTrainer):
         self.epoch = epoch + 1
         stats = reduce_worker_stats(results)
         stats["epoch"] = epoch
-        stats["num_restarts"] = self.num_restarts
-        stats["num_workers"] = self.num_workers
-        if state is not None:
-            path = self._remember(self._wrap_state(state))
-            if path is not None:
-                stats["checkpoint_path"] = path
-        return stats
+        return self._end_epoch(stats, state)
 
     def validate(
         self, num_steps: int | None = None, info: dict[str, Any] | None = None
@@ -230,56 +223,6 @@ class TorchTrainer(BaseTrainer):
         """Evaluate on the validation loader; returns ``val_loss`` (and ``val_accuracy``)."""
         results = self._run(torch_worker.validate, num_steps, info)
         return reduce_worker_stats(results)
-
-    # --------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """The consolidated training state as a portable checkpoint dict."""
-        return self._wrap_state(self._run(torch_worker.get_state, self.epoch)[0])
-
-    def _wrap_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "format": ckpt.FORMAT,
-            "version": ckpt.VERSION,
-            "framework": "torch",
-            "backend": self.backend.name,
-            "world_size": self.scaling.world_size,
-            "epoch": self.epoch,
-            **state,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a state from :meth:`state_dict` (any backend, any world size) on every worker."""
-        ckpt.validate_checkpoint(state, "state", framework="torch")
-        payload = {
-            k: state[k]
-            for k in ("models", "optimizers", "schedulers", "scaler", "operator", "global_step")
-            if k in state
-        }
-        if not self.scaling.local_mode:
-            import ray
-
-            payload = ray.put(payload)  # one copy in the object store, shared by all workers
-        self._run(torch_worker.load_state, payload)
-        self.epoch = int(state["epoch"])
-        if self._keeps_state:
-            self._latest_state = state  # a restart must not fall back behind a loaded checkpoint
-
-    def save(self, path: str | os.PathLike) -> str:
-        """Write a consolidated checkpoint to ``path`` atomically; returns the path."""
-        return str(ckpt.save_checkpoint(self.state_dict(), path))
-
-    def load(self, path: str | os.PathLike) -> None:
-        """Load a checkpoint written by :meth:`save` under any backend or world size.
-
-        The file is read with ``weights_only=True`` and validated before anything
-        changes: a bad file raises :class:`~polytrain.errors.CheckpointError`.
-        """
-        self._ensure_open()
-        self.load_state_dict(ckpt.load_checkpoint(path, framework="torch"))
-
-    def apply_all_workers(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        """Run ``fn(*args)`` in every worker process; returns the results in rank order."""
-        return self._run(fn, *args)
 
     def apply_all_operators(self, fn: Callable[[TrainingOperator], Any]) -> list[Any]:
         """Run ``fn(operator)`` on every worker's :class:`TrainingOperator`; results in rank order."""

@@ -1,170 +1,79 @@
-"""Driver logic shared by every trainer: the worker group's life, calls into it, shutdown."""
+"""The loop every trainer shares: options, the worker group's life, calls into it, checkpoints.
+
+:class:`BaseTrainer` owns the driver's loop: start a worker group through the
+backend's rendezvous, run worker functions on it, and on a failure ask the
+policies (:mod:`polytrain.trainer_api.policies`) whether and at which size to
+restart, resuming from the :class:`~polytrain.trainer_api.checkpointing.CheckpointManager`'s
+latest state. The framework trainers (:class:`~polytrain.trainer_api.torch_trainer.TorchTrainer`,
+:class:`~polytrain.trainer_api.tf_trainer.TFTrainer`) add only their framework
+hooks: how workers are set up, and how a state leaves and enters them.
+"""
 
 from __future__ import annotations
 
 import abc
-import logging
-import time
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from polytrain.backends.base import Backend, WorkerContext
+from polytrain.backends.base import Backend
+from polytrain.backends.context import WorkerContext
 from polytrain.backends.registry import get_backend
-from polytrain.errors import ConfigError, TrainerShutdownError, WorkerDiedError, WorkerHangError
-from polytrain.launchers.local import LocalWorkerGroup
+from polytrain.backends.rendezvous import Rendezvous
+from polytrain.errors import TrainerShutdownError
+from polytrain.launchers.base import WorkerGroup
+from polytrain.launchers.factory import make_group
 from polytrain.trainer_api import checkpoint as ckpt
+from polytrain.trainer_api.checkpointing import CheckpointManager
 from polytrain.trainer_api.config import (
     CheckpointConfig,
     FailureConfig,
     ScalingConfig,
+    check_user_config,
     merge_flat_options,
 )
-
-logger = logging.getLogger(__name__)
-
-
-class _ProgressBar:
-    """A tqdm bar on the driver that follows rank 0's progress through the monitor channel."""
-
-    def __init__(self, group: Any, description: str) -> None:
-        from tqdm.auto import tqdm
-
-        self._group = group
-        self._bar = tqdm(desc=description, unit="batch", leave=True, dynamic_ncols=True)
-        self._pending = None
-
-    def poll(self) -> None:
-        import ray
-
-        if self._pending is not None:
-            ready, _ = ray.wait([self._pending], timeout=0)
-            if not ready:
-                return
-            try:
-                progress = ray.get(self._pending)
-            except Exception:  # noqa: BLE001 - a dead worker is reported by the main wait
-                progress = None
-            self._pending = None
-            if progress and progress.get("phase") == "train":
-                self.update(progress)
-        self._pending = self._group.monitor_single_async(0, "progress")
-
-    def update(self, progress: dict[str, Any]) -> None:
-        if progress.get("total") is not None and self._bar.total != progress["total"]:
-            self._bar.total = progress["total"]
-        self._bar.n = progress.get("step", 0)
-        if progress.get("loss") is not None:
-            self._bar.set_postfix(loss=f"{progress['loss']:.4f}", refresh=False)
-        self._bar.refresh()
-
-    def close(self, final: dict[str, Any] | None = None) -> None:
-        if final:
-            steps = final.get("num_steps")
-            if steps is not None:
-                self._bar.total = self._bar.total or steps
-                self._bar.n = steps
-            if "loss" in final:
-                self._bar.set_postfix(loss=f"{final['loss']:.4f}", refresh=False)
-        self._bar.close()
+from polytrain.trainer_api.policies import (
+    FailurePolicy,
+    HangWatchdog,
+    ProgressReporter,
+    ScalingPolicy,
+)
 
 
-class _HangWatchdog:
-    """Raises :class:`WorkerHangError` when no worker reports progress for ``timeout_s``.
-
-    Progress is read through the workers' monitor channel, which answers from its
-    own thread while the training thread is blocked, so even a worker stuck in a
-    collective can say where it is stuck.
-    """
-
-    def __init__(self, group: Any, timeout_s: float) -> None:
-        self._group = group
-        self._timeout_s = timeout_s
-        self._pending: list[Any] | None = None
-        self._last: list[Any] = [None] * len(group)
-        self._last_change = time.monotonic()
-
-    def poll(self) -> None:
-        import ray
-
-        if self._pending is not None:
-            ready, _ = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
-            if len(ready) == len(self._pending):
-                records = []
-                for ref in self._pending:
-                    try:
-                        records.append(ray.get(ref))
-                    except Exception:  # noqa: BLE001 - a dead worker is reported by the main wait
-                        records.append(None)
-                keys = [_progress_key(r) for r in records]
-                if keys != self._last:
-                    self._last = keys
-                    self._last_change = time.monotonic()
-                self._pending = None
-        if time.monotonic() - self._last_change > self._timeout_s:
-            raise self._hang_error()
-        if self._pending is None:
-            self._pending = [
-                self._group.monitor_single_async(rank, "progress")
-                for rank in range(len(self._group))
-            ]
-
-    def _hang_error(self) -> WorkerHangError:
-        stacks = self._group.monitor("stacks", timeout_s=10.0)
-        progress = self._group.monitor("progress", timeout_s=5.0)
-        steps = [p.get("step", -1) if isinstance(p, dict) else -1 for p in progress]
-        frames = [_innermost_frame(s) if isinstance(s, str) else "" for s in stacks]
-        # The stuck rank: furthest behind, and among equals one whose training thread
-        # sits in user code rather than waiting inside a library (a collective).
-        slowest = min(range(len(steps)), key=lambda r: (steps[r], _is_library_frame(frames[r]), r))
-        lines = [
-            f"No worker made progress for {self._timeout_s:g}s (hang_timeout_s); the group is "
-            f"torn down. Stuck: rank {slowest} (step {steps[slowest]}, at {frames[slowest]}). "
-            f"Per rank:"
-        ]
-        dump = []
-        for rank, (record, stack) in enumerate(zip(progress, stacks, strict=True)):
-            where = _innermost_frame(stack) if isinstance(stack, str) else f"no answer ({stack!r})"
-            state = record if isinstance(record, dict) else {}
-            lines.append(
-                f"  rank {rank}: phase {state.get('phase')}, epoch {state.get('epoch')}, step "
-                f"{state.get('step')}, stuck at {where}"
-            )
-            dump.append(f"--- rank {rank} ---\n{stack}")
-        return WorkerHangError("\n".join(lines), rank=slowest, remote_traceback="\n".join(dump))
-
-
-def _progress_key(record: Any) -> Any:
-    if not isinstance(record, dict):
-        return None
-    return (record.get("phase"), record.get("epoch"), record.get("step"))
-
-
-def _is_library_frame(frame: str) -> bool:
-    return "site-packages" in frame or "/polytrain/" in frame or not frame
-
-
-def _innermost_frame(stack: str) -> str:
-    """The last ``File ..., line ..., in ...`` line of the first (training) thread's stack."""
-    first_thread = stack.split("\n\n")[0]
-    frames = [
-        line.strip() for line in first_thread.splitlines() if line.strip().startswith("File ")
-    ]
-    return frames[-1] if frames else "(no Python frame)"
-
-
-def _shutdown_group(backend: Backend, group: Any) -> None:
-    try:
-        backend.on_shutdown(group)
-    except Exception:  # noqa: BLE001 - shutdown must go on with dead workers
-        logger.debug("backend.on_shutdown failed", exc_info=True)
+def _shutdown_group(rendezvous: Rendezvous | None, group: WorkerGroup) -> None:
+    # Module-level (not a method): the finalizer that calls it must not keep the trainer alive.
+    if rendezvous is not None:
+        rendezvous.shutdown(group)  # never raises: dead workers are shut down too
     group.shutdown()
 
 
 class BaseTrainer(abc.ABC):
-    """Shared driver logic: start the group, run worker functions, tear down on failure.
+    """Shared driver logic: options, the worker group, retries, elastic size, checkpoints.
 
-    Subclasses set ``framework`` and implement :meth:`_setup_workers`.
+    Subclasses set ``framework``, call ``super().__init__`` and then
+    :meth:`_start`, and implement :meth:`_setup_workers`, :meth:`_worker_state`
+    and :meth:`_load_worker_state` (and :meth:`_file_state` if their state needs
+    converting for a file).
+
+    Args:
+        backend: a backend name or alias, or a :class:`~polytrain.backends.Backend`.
+        backend_config: the backend's typed config, or a dict of its fields.
+        config: the user's hyperparameters; ``batch_size`` is the global batch.
+        num_workers: shortcut for ``scaling_config.num_workers``.
+        use_gpu: shortcut for ``scaling_config.use_gpu``.
+        num_cpus_per_worker: shortcut for ``scaling_config.num_cpus_per_worker``.
+        scaling_config: :class:`ScalingConfig` or a dict of its fields. A shortcut
+            may not set a field this sets too (see
+            :func:`~polytrain.trainer_api.config.merge_flat_options`).
+        failure_config: :class:`FailureConfig` or a dict of its fields.
+        checkpoint_config: :class:`CheckpointConfig` or a dict of its fields.
+        use_fp16: mixed precision.
+        use_tqdm: show rank 0's progress as a bar on the driver.
+
+    Raises:
+        ConfigError: an option that is not allowed (:class:`ConfigTypeError` for a
+            wrong type or an unknown key).
     """
 
     framework: ClassVar[str] = "torch"
@@ -173,39 +82,35 @@ class BaseTrainer(abc.ABC):
         self,
         *,
         backend: str | Backend,
-        backend_config: Any,
-        config: dict[str, Any] | None,
-        scaling_config: ScalingConfig | dict | None,
-        failure_config: FailureConfig | dict | None,
-        checkpoint_config: CheckpointConfig | dict | None,
-        scaling_shortcuts: dict[str, Any],
+        backend_config: Any = None,
+        config: dict[str, Any] | None = None,
+        num_workers: int | None = None,
+        use_gpu: bool | None = None,
+        num_cpus_per_worker: float | None = None,
+        scaling_config: ScalingConfig | dict | None = None,
+        failure_config: FailureConfig | dict | None = None,
+        checkpoint_config: CheckpointConfig | dict | None = None,
         use_fp16: bool = False,
         use_tqdm: bool = False,
     ) -> None:
-        """Validate the options every trainer shares; subclasses then call :meth:`_start`.
-
-        ``scaling_shortcuts`` are the flat keyword arguments (``num_workers=2``) that
-        override fields of ``scaling_config``; giving one both ways is an error.
-        """
-        self._group: Any = None  # first: shutdown() and the finalizer work if validation fails
+        # First: shutdown() and the finalizer must work even if validation fails.
+        self._group: WorkerGroup | None = None
+        self._rendezvous: Rendezvous | None = None
+        self._finalizer: weakref.finalize | None = None
         self._shut_down = False
         self.scaling = merge_flat_options(
-            ScalingConfig, scaling_config, "scaling_config", **scaling_shortcuts
+            ScalingConfig,
+            scaling_config,
+            "scaling_config",
+            num_workers=num_workers,
+            use_gpu=use_gpu,
+            num_cpus_per_worker=num_cpus_per_worker,
         )
         self.failure = merge_flat_options(FailureConfig, failure_config, "failure_config")
         self.checkpoint = merge_flat_options(
             CheckpointConfig, checkpoint_config, "checkpoint_config"
         )
-        if config is not None and not isinstance(config, dict):
-            raise ConfigError(f"config must be a dict; got {type(config).__name__}: {config!r}.")
-        self.config = dict(config or {})
-        batch = self.config.get("batch_size")
-        if "batch_size" in self.config and (
-            isinstance(batch, bool) or not isinstance(batch, int) or batch < 1
-        ):
-            raise ConfigError(
-                f"config['batch_size'] must be a positive int (the global batch); got {batch!r}."
-            )
+        self.config = check_user_config(config)
         self.use_fp16 = bool(use_fp16)
         self.use_tqdm = bool(use_tqdm)
         self.backend = get_backend(backend, backend_config, framework=self.framework)
@@ -215,9 +120,10 @@ class BaseTrainer(abc.ABC):
             use_fp16=self.use_fp16,
         )
         self.epoch = 0
-        self.num_restarts = 0
         self._group_size = self.scaling.num_workers
-        self._latest_state: dict[str, Any] | None = None
+        self.failure_policy = FailurePolicy(self.failure.max_retries)
+        self.scaling_policy = ScalingPolicy(self.scaling)
+        self.checkpoint_manager = CheckpointManager(self.checkpoint, keep_latest=self._keeps_state)
 
     @classmethod
     def from_config(cls, path: str | Any, **overrides: Any) -> BaseTrainer:
@@ -232,70 +138,88 @@ class BaseTrainer(abc.ABC):
     @classmethod
     def as_trainable(cls, **trainer_kwargs: Any) -> Any:
         """A Ray Tune trainable that builds this trainer for every trial (see :mod:`polytrain.tune`)."""
-        from polytrain.tune import make_trainable
+        from polytrain.trainer_api.trainable import make_trainable
 
         return make_trainable(cls, **trainer_kwargs)
 
-    # ------------------------------------------------------------- lifecycle
+    # ------------------------------------------------------------ properties
     @property
     def backend_name(self) -> str:
         """The canonical name of the backend in use."""
         return self.backend.name
-
-    def _context_template(self) -> WorkerContext:
-        return WorkerContext(
-            world_size=max(self._group_size, 1),
-            use_gpu=self.scaling.use_gpu,
-            use_fp16=self.use_fp16,
-            num_cpus=int(self.scaling.num_cpus_per_worker) or 1,
-            local_mode=self.scaling.local_mode,
-            timeout_s=self.failure.collective_timeout_s,
-        )
 
     @property
     def num_workers(self) -> int:
         """Workers in the running group (fewer than requested while shrunk by elastic training)."""
         return self._group_size
 
-    def _make_group(self) -> Any:
-        env = self.backend.worker_env_vars()
-        if self.scaling.local_mode:
-            return LocalWorkerGroup(env_vars=env)
-        from polytrain.launchers.worker_group import WorkerGroup, ensure_ray
+    @property
+    def num_restarts(self) -> int:
+        """Restarts of the worker group after lost or hung workers so far."""
+        return self.failure_policy.num_restarts
 
-        ensure_ray(self.scaling.address)
-        return WorkerGroup(
-            num_workers=self._group_size,
-            num_cpus_per_worker=self.scaling.num_cpus_per_worker,
-            num_gpus_per_worker=1 if self.scaling.use_gpu else 0,
-            resources_per_worker=self.scaling.resources_per_worker,
-            placement_strategy=self.scaling.placement_strategy,
-            start_timeout_s=self.scaling.start_timeout_s,
-            env_vars=env,
+    @property
+    def _keeps_state(self) -> bool:
+        """Whether epoch ends keep a state: for retries, elastic training or checkpoint files."""
+        return (
+            self.failure.max_retries > 0
+            or self.checkpoint.checkpoint_dir is not None
+            or self.scaling.min_workers is not None
+        )
+
+    # ------------------------------------------------------- framework hooks
+    @abc.abstractmethod
+    def _setup_workers(self, group: WorkerGroup) -> None:
+        """Driver: build the framework's components in every worker of a new group."""
+
+    @abc.abstractmethod
+    def _worker_state(self) -> dict[str, Any]:
+        """Driver: the training state from the workers, before :meth:`_wrap_state`."""
+
+    @abc.abstractmethod
+    def _load_worker_state(self, state: dict[str, Any]) -> None:
+        """Driver: load a validated checkpoint dict into every worker."""
+
+    def _file_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Driver: ``state`` as :meth:`save` writes it (default: unchanged)."""
+        return state
+
+    # ------------------------------------------------------------- lifecycle
+    def _context_template(self) -> WorkerContext:
+        """The context every worker of the current group starts from."""
+        return WorkerContext.from_scaling(
+            self.scaling,
+            world_size=self._group_size,
+            use_fp16=self.use_fp16,
+            timeout_s=self.failure.collective_timeout_s,
         )
 
     def _start(self) -> None:
-        group = self._make_group()
-        group.start()
+        """Start a worker group of ``_group_size``, connect it and set up every worker."""
+        rendezvous = self.backend.make_rendezvous()
+        group = make_group(
+            self.scaling, env_vars=rendezvous.worker_env_vars(), num_workers=self._group_size
+        )
         try:
-            self.backend.on_start(group, self._context_template())
+            group.start()
+            rendezvous.on_start(group, self._context_template())
             self._setup_workers(group)
         except BaseException:
-            _shutdown_group(self.backend, group)
+            _shutdown_group(rendezvous, group)
             raise
-        self._group = group
+        self._group, self._rendezvous = group, rendezvous
         # Release the actors even if the user never calls shutdown().
-        self._finalizer = weakref.finalize(self, _shutdown_group, self.backend, group)
-
-    @abc.abstractmethod
-    def _setup_workers(self, group: Any) -> None:
-        """Driver: build the framework's components in every worker of a new group."""
+        self._finalizer = weakref.finalize(self, _shutdown_group, rendezvous, group)
 
     def _ensure_open(self) -> None:
         if self._shut_down:
             raise TrainerShutdownError(
                 f"This {type(self).__name__} is shut down; create a new one."
             )
+
+    def _share(self, value: Any) -> Any:
+        """``value`` as one shared copy for every worker of the group (a checkpoint)."""
+        return self._group.share(value) if self._group is not None else value
 
     def _run_once(
         self,
@@ -307,16 +231,16 @@ class BaseTrainer(abc.ABC):
 
         A worker failure tears the whole group down before the error reaches the
         caller, so no worker is left blocked in a collective. With
-        ``hang_timeout_s`` set, a watchdog turns a group that stopped making
-        progress into a :class:`WorkerHangError` carrying every worker's stack.
+        ``hang_timeout_s`` set, a :class:`HangWatchdog` turns a group that stopped
+        making progress into a :class:`~polytrain.errors.WorkerHangError`.
         """
         self._ensure_open()
         group = self._group
         if self.scaling.local_mode:
             return group.execute(fn, *args)
-        bar = _ProgressBar(group, progress) if progress and self.use_tqdm else None
+        bar = ProgressReporter(group, progress) if progress and self.use_tqdm else None
         watchdog = (
-            _HangWatchdog(group, self.failure.hang_timeout_s)
+            HangWatchdog(group, self.failure.hang_timeout_s)
             if self.failure.hang_timeout_s is not None
             else None
         )
@@ -347,123 +271,114 @@ class BaseTrainer(abc.ABC):
     ) -> list[Any]:
         """Run ``fn`` on every worker (results in rank order), restarting the group after a lost or hung worker.
 
-        A worker that died (killed, out of memory, node lost) or hung is replaced:
-        the group is torn down, a new one starts, the latest epoch-end checkpoint
-        is restored and the call is repeated, up to ``max_retries`` restarts over
-        the trainer's life. An exception raised by user code is not retried
-        (it would fail the same way again) and shuts the trainer down.
+        The :class:`FailurePolicy` decides: a worker that died (killed, out of
+        memory, node lost) or hung is replaced (the group is torn down, a new one
+        starts, the latest epoch-end state is restored and the call is repeated)
+        up to ``max_retries`` restarts over the trainer's life. Anything else, an
+        exception raised by user code above all, shuts the trainer down.
         """
         while True:
             try:
                 return self._run_once(fn, *args, progress=progress)
-            except (WorkerDiedError, WorkerHangError) as exc:
-                if self.num_restarts >= self.failure.max_retries:
+            except BaseException as exc:
+                if not self.failure_policy.should_retry(exc):
                     self._shut_down = True
                     raise
-                self.num_restarts += 1
-                logger.warning(
-                    "Restarting the worker group (restart %d of at most %d) after: %s",
-                    self.num_restarts,
-                    self.failure.max_retries,
-                    str(exc).splitlines()[0],
-                )
+                self.failure_policy.record_restart(exc)
                 self._restart()
-            except BaseException:
-                self._shut_down = True
-                raise
 
     def _restart(self, num_workers: int | None = None) -> None:
         """Start a fresh group and restore the latest epoch-end state into it.
 
-        With ``min_workers`` set, the new group has as many workers as the cluster
-        can hold now (at least ``min_workers``; waits up to ``start_timeout_s``).
+        ``num_workers`` None: the :class:`ScalingPolicy` sizes the group (with
+        ``min_workers``, as many workers as the cluster holds now).
         """
         self._teardown_group()
-        if num_workers is None and self.scaling.min_workers is not None:
-            num_workers = self._elastic_size()
-        self._group_size = num_workers or self.scaling.num_workers
+        self._group_size = num_workers or self.scaling_policy.restart_size()
         self._start()
-        if self._latest_state is not None:
-            self.load_state_dict(self._latest_state)
+        if self.checkpoint_manager.latest is not None:
+            self.load_state_dict(self.checkpoint_manager.latest)
 
-    def _placeable_workers(self) -> int:
-        """How many more worker bundles the cluster's free resources hold now."""
-        import ray
+    def _begin_epoch(self) -> int:
+        """Before an epoch: grow a shrunk elastic group back if it fits; return the epoch."""
+        self._ensure_open()
+        if self.checkpoint_manager.latest is not None and self.scaling_policy.should_grow(
+            self._group_size
+        ):
+            self._restart(self.scaling.num_workers)
+        return self.epoch
 
-        available = ray.available_resources()
-        bundle = {"CPU": float(self.scaling.num_cpus_per_worker)}
-        if self.scaling.use_gpu:
-            bundle["GPU"] = 1.0
-        bundle.update(self.scaling.resources_per_worker or {})
-        return int(min(available.get(k, 0.0) // v for k, v in bundle.items() if v > 0))
+    def _end_epoch(self, stats: dict[str, Any], state: dict[str, Any] | None) -> dict[str, Any]:
+        """After an epoch (``self.epoch`` already advanced): add restart and size stats, keep ``state``."""
+        stats["num_restarts"] = self.num_restarts
+        stats["num_workers"] = self.num_workers
+        if state is not None:
+            path = self.checkpoint_manager.remember(self._wrap_state(state))
+            if path is not None:
+                stats["checkpoint_path"] = path
+        return stats
 
-    def _elastic_size(self) -> int:
-        """The group size for a restart: as many as fit, between min_workers and num_workers."""
-        from polytrain.errors import InsufficientResourcesError
+    # ----------------------------------------------------------- checkpoints
+    def _wrap_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The portable checkpoint envelope around a framework state (see :mod:`.checkpoint`)."""
+        return {
+            "format": ckpt.FORMAT,
+            "version": ckpt.VERSION,
+            "framework": self.framework,
+            "backend": self.backend.name,
+            "world_size": self.scaling.world_size,
+            "epoch": self.epoch,
+            **state,
+        }
 
-        minimum = self.scaling.min_workers or self.scaling.num_workers
-        time.sleep(1.0)  # freed resources reach the cluster's view (and pending demands) first
-        deadline = time.monotonic() + self.scaling.start_timeout_s
-        while True:
-            fits = min(self._placeable_workers(), self.scaling.num_workers)
-            if fits >= minimum:
-                if fits < self.scaling.num_workers:
-                    logger.warning(
-                        "Elastic training: continuing on %d of %d workers (min_workers=%d).",
-                        fits,
-                        self.scaling.num_workers,
-                        minimum,
-                    )
-                return fits
-            if time.monotonic() > deadline:
-                raise InsufficientResourcesError(
-                    f"After a failure the cluster holds only {fits} worker(s), fewer than "
-                    f"min_workers={minimum}, within start_timeout_s="
-                    f"{self.scaling.start_timeout_s:g}s. Add resources or lower min_workers."
-                )
-            time.sleep(0.5)
+    def state_dict(self) -> dict[str, Any]:
+        """The consolidated training state as a portable checkpoint dict."""
+        return self._wrap_state(self._worker_state())
 
-    def _maybe_grow(self) -> None:
-        """At an epoch boundary: back to ``num_workers`` if a shrunk group now fits in full."""
-        if self._group_size >= self.scaling.num_workers or self._latest_state is None:
-            return
-        if self._placeable_workers() + self._group_size < self.scaling.num_workers:
-            return
-        logger.warning(
-            "Elastic training: resources are back; growing from %d to %d workers.",
-            self._group_size,
-            self.scaling.num_workers,
-        )
-        self._restart(self.scaling.num_workers)
-
-    def _remember(self, state: dict[str, Any]) -> str | None:
-        """Keep an epoch-end state for recovery; also write it to ``checkpoint_dir`` if set."""
-        self._latest_state = state
-        directory = self.checkpoint.checkpoint_dir
-        if directory is None:
-            return None
-        path = ckpt.save_checkpoint(state, ckpt.epoch_checkpoint_path(directory, state["epoch"]))
-        ckpt.prune_checkpoints(directory, self.checkpoint.num_to_keep)
-        return str(path)
-
-    @property
-    def _keeps_state(self) -> bool:
-        return (
-            self.failure.max_retries > 0
-            or self.checkpoint.checkpoint_dir is not None
-            or self.scaling.min_workers is not None
-        )
-
-    @abc.abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a checkpoint dict on every worker (also used to resume after a restart)."""
+        """Load a state from :meth:`state_dict` or :meth:`load` on every worker.
 
+        Any backend of the same framework and any world size may have written it.
+
+        Raises:
+            CheckpointError: not a checkpoint dict of this framework; nothing is loaded.
+        """
+        self._ensure_open()
+        ckpt.validate_checkpoint(state, "state", framework=self.framework)
+        self._load_worker_state(state)
+        self.epoch = int(state["epoch"])
+        # A restart must not fall back behind a loaded checkpoint.
+        self.checkpoint_manager.loaded(state)
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write a consolidated checkpoint to ``path`` atomically; returns the absolute path."""
+        return str(ckpt.save_checkpoint(self._file_state(self.state_dict()), path))
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Load a checkpoint written by :meth:`save` under any backend or world size.
+
+        The file is read with ``weights_only=True`` and validated before anything
+        changes.
+
+        Raises:
+            CheckpointError: the file is missing, corrupted, not a polytrain checkpoint
+                or written by a trainer of another framework; nothing is loaded then.
+        """
+        self._ensure_open()
+        self.load_state_dict(ckpt.load_checkpoint(path, framework=self.framework))
+
+    def apply_all_workers(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Run ``fn(*args)`` in every worker process; returns the results in rank order."""
+        return self._run(fn, *args)
+
+    # -------------------------------------------------------------- shutdown
     def _teardown_group(self) -> None:
         group, self._group = self._group, None
+        rendezvous, self._rendezvous = self._rendezvous, None
         if group is not None:
-            if getattr(self, "_finalizer", None) is not None:
+            if self._finalizer is not None:
                 self._finalizer.detach()
-            _shutdown_group(self.backend, group)
+            _shutdown_group(rendezvous, group)
 
     def shutdown(self) -> None:
         """Stop every worker and release their resources. Later calls raise."""

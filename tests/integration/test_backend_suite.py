@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from polytrain import TorchTrainer, TrainingOperator
-from polytrain.backends.registry import get_spec
+from polytrain.backends.registry import describe_backends, get_spec
 from polytrain.errors import WorkerError
 from tests.helpers import (
     DIGITS,
@@ -24,16 +24,13 @@ from tests.helpers import (
 
 pytestmark = pytest.mark.usefixtures("ray_start_4_cpus")
 
-# (id, backend, backend_config, parity tolerance vs 2-worker DDP)
+# (id, backend, backend_config, parity tolerance vs 2-worker DDP), from the registry: a
+# backend's test cases are part of its registry entry.
 CASES = [
-    ("ddp", "ddp", None, 0.0),
-    ("horovod", "horovod", None, 1e-5),
-    ("fairscale-oss", "fairscale", {"mode": "oss"}, 1e-5),
-    ("fairscale-sddp", "fairscale", {"mode": "sddp"}, 1e-5),
-    ("fsdp", "fsdp", None, 1e-5),
-    ("deepspeed-zero1", "deepspeed", {"stage": 1}, 1e-5),
-    ("deepspeed-zero2", "deepspeed", {"stage": 2}, 1e-5),
-    ("deepspeed-zero3", "deepspeed", {"stage": 3}, 1e-4),
+    (case.id, spec.name, case.backend_config, case.parity_tol)
+    for spec in describe_backends()
+    if spec.framework == "torch"
+    for case in spec.test_cases
 ]
 
 

@@ -15,6 +15,7 @@ from polytrain.backends import registry
 from polytrain.compat.imports import MissingDependencyError
 from polytrain.errors import (
     ConfigError,
+    ConfigTypeError,
     CreatorError,
     InsufficientResourcesError,
     WorkerError,
@@ -32,8 +33,11 @@ def _trainer(**overrides):
 
 
 def test_unknown_backend():
-    with pytest.raises(ValueError, match=r"Unknown backend 'pytorch_ddp'\. Valid names: 'ddp'"):
+    with pytest.raises(
+        ValueError, match=r"Unknown backend 'pytorch_ddp'\. Valid names: 'ddp'"
+    ) as info:
         _trainer(backend="pytorch_ddp")
+    assert isinstance(info.value, ConfigError)
 
 
 def test_backend_not_installed():
@@ -56,8 +60,9 @@ def test_backend_not_installed():
 
 
 def test_backend_of_the_wrong_framework():
-    with pytest.raises(ValueError, match="'mwms' is a tensorflow backend.*Use TFTrainer"):
+    with pytest.raises(ValueError, match="'mwms' is a tensorflow backend.*Use TFTrainer") as info:
         _trainer(backend="mwms")
+    assert isinstance(info.value, ConfigError)
 
 
 @pytest.mark.parametrize(
@@ -144,6 +149,8 @@ def test_config_file_with_unknown_keys_and_wrong_types(tmp_path):
     ) as info:
         TorchTrainer.from_config(path)
     assert "num_workers" in str(info.value)
+    # Only unknown keys and wrong types: a TypeError as well as a ConfigError.
+    assert isinstance(info.value, ConfigTypeError)
 
 
 def test_unreachable_ray_address(tmp_path):

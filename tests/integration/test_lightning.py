@@ -10,7 +10,8 @@ import torch  # noqa: E402
 
 from examples.lightning_mnist import DigitsClassifier, DigitsDataModule  # noqa: E402
 from polytrain.backends.registry import get_spec  # noqa: E402
-from polytrain.errors import WorkerError  # noqa: E402
+from polytrain.errors import ConfigError, ConfigTypeError, WorkerError  # noqa: E402
+from polytrain.launchers.scaling import ScalingConfig  # noqa: E402
 from polytrain.lightning import (  # noqa: E402
     HorovodRayPlugin,
     RayDeepSpeedStrategy,
@@ -129,3 +130,26 @@ def test_bad_arguments_name_the_value():
         RayStrategy(backend="mpi")
     with pytest.raises(TypeError, match="fixes the backend; got backend='ddp'"):
         RayHorovodStrategy(backend="ddp")
+
+
+def test_scaling_config_like_the_trainers():
+    flat = RayStrategy(num_workers=2, num_cpus_per_worker=2)
+    nested = RayStrategy(scaling_config=ScalingConfig(num_workers=2, num_cpus_per_worker=2))
+    mixed = RayHorovodStrategy(scaling_config={"num_workers": 2}, num_cpus_per_worker=2)
+    for strategy in (flat, nested, mixed):
+        assert strategy.scaling == flat.scaling
+        assert strategy.num_workers == strategy.num_processes == 2
+        assert strategy.num_cpus_per_worker == 2
+        assert strategy._context_template().num_cpus == 2
+    with pytest.raises(ConfigError, match=r"\['num_workers'\] given both"):
+        RayStrategy(num_workers=2, scaling_config={"num_workers": 2})
+    with pytest.raises(ConfigError, match=r"num_workers must be an int >= 1.*got 0"):
+        RayStrategy(scaling_config=ScalingConfig(num_workers=0))
+    with pytest.raises(ConfigError, match="does not resize its worker group"):
+        RayStrategy(scaling_config={"num_workers": 2, "min_workers": 1})
+    with pytest.raises(ConfigTypeError, match="Unknown scaling_config key"):
+        RayStrategy(scaling_config={"workers": 2})
+    with pytest.raises(ConfigError, match="num_cpus_per_worker must be a number > 0; got 0"):
+        RayStrategy(num_cpus_per_worker=0)
+    with pytest.raises(ConfigTypeError, match="fixes the backend"):
+        RayShardedStrategy(backend="ddp")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from polytrain.errors import ConfigError, CreatorError
+from polytrain.errors import ConfigError, ConfigTypeError, CreatorError
 from polytrain.trainer_api.config import (
     CheckpointConfig,
     FailureConfig,
@@ -127,3 +127,67 @@ def test_coerce_and_merge():
     with pytest.raises(ConfigError, match="given both as keyword"):
         merge_flat_options(ScalingConfig, {"num_workers": 1}, "scaling_config", num_workers=2)
     assert ScalingConfig(num_workers=0).local_mode and ScalingConfig(num_workers=0).world_size == 1
+
+
+# --- keyword shortcuts next to a config group (issue 19, point 6) -----------------------
+
+
+def test_shortcut_next_to_a_group_that_does_not_set_it_is_merged():
+    merged = merge_flat_options(
+        ScalingConfig, {"address": "auto"}, "scaling_config", num_workers=4, use_gpu=None
+    )
+    assert merged == ScalingConfig(num_workers=4, address="auto")
+
+
+def test_shortcut_and_group_fields_are_validated_together():
+    # min_workers=2 alone is invalid against the default num_workers=1; with the
+    # shortcut num_workers=4 the merged config is valid.
+    merged = merge_flat_options(ScalingConfig, {"min_workers": 2}, "scaling_config", num_workers=4)
+    assert (merged.num_workers, merged.min_workers) == (4, 2)
+    with pytest.raises(ConfigError, match="min_workers=3 must be between 1 and num_workers=2"):
+        merge_flat_options(ScalingConfig, {"min_workers": 3}, "scaling_config", num_workers=2)
+
+
+def test_shortcut_next_to_a_group_instance_fills_fields_left_at_their_default():
+    group = ScalingConfig(address="auto", start_timeout_s=5.0)
+    merged = merge_flat_options(ScalingConfig, group, "scaling_config", num_workers=3)
+    assert merged == ScalingConfig(num_workers=3, address="auto", start_timeout_s=5.0)
+    assert group.num_workers == 1  # the caller's instance is not changed
+
+
+def test_only_the_keys_given_twice_are_refused():
+    with pytest.raises(ConfigError) as info:
+        merge_flat_options(
+            ScalingConfig,
+            {"num_workers": 1, "address": "auto"},
+            "scaling_config",
+            num_workers=2,
+            use_gpu=False,
+        )
+    assert "['num_workers'] given both as keyword argument(s) and inside scaling_config" in str(
+        info.value
+    )
+    with pytest.raises(ConfigError, match=r"\['num_workers'\] given both"):
+        merge_flat_options(
+            ScalingConfig, ScalingConfig(num_workers=2), "scaling_config", num_workers=2
+        )
+
+
+def test_group_of_the_wrong_type_or_with_unknown_keys_is_a_config_type_error():
+    with pytest.raises(ConfigTypeError, match="scaling_config must be a ScalingConfig"):
+        merge_flat_options(ScalingConfig, 4, "scaling_config", num_workers=2)
+    with pytest.raises(ConfigTypeError, match=r"Unknown scaling_config key\(s\) \['workers'\]"):
+        merge_flat_options(ScalingConfig, {"workers": 3}, "scaling_config", num_workers=2)
+
+
+def test_trainer_takes_a_shortcut_next_to_a_scaling_group():
+    from polytrain import TorchTrainer
+    from tests.helpers import DIGITS
+
+    trainer = TorchTrainer(
+        **DIGITS, config={"batch_size": 32}, num_workers=0, scaling_config={"start_timeout_s": 5}
+    )
+    try:
+        assert trainer.scaling == ScalingConfig(num_workers=0, start_timeout_s=5)
+    finally:
+        trainer.shutdown()

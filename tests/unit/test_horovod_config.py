@@ -69,9 +69,10 @@ def test_alias_resolves_to_the_backend():
 
 def test_backend_pickles_without_driver_state():
     backend = HorovodBackend()
-    backend._server = object()  # the driver's rendezvous server never travels
+    rendezvous = backend.make_rendezvous()  # the driver side, one per worker group
+    rendezvous._server = object()  # the driver's rendezvous server never travels
     clone = pickle.loads(pickle.dumps(backend))
-    assert clone._server is None and clone.config == backend.config
+    assert getattr(clone, "_server", None) is None and clone.config == backend.config
 
 
 @needs_horovod
@@ -104,6 +105,27 @@ def test_importing_polytrain_and_the_backend_module_loads_no_horovod():
     code = (
         "import sys, polytrain, polytrain.backends.horovod; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'horovod'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_force_host_staging_reaches_the_worker_strategy():
+    class Staged(HorovodBackend):
+        force_host_staging = True
+
+    assert Staged({"op": "sum"}).make_strategy().force_host_staging
+    strategy = HorovodBackend().make_strategy()
+    assert not strategy.force_host_staging and strategy.config == HorovodConfig()
+
+
+def test_driver_sides_import_no_framework():
+    code = (
+        "import sys, polytrain.backends.horovod_rendezvous, "
+        "polytrain.backends.deepspeed_rendezvous; "
+        "print(sorted(m for m in ('torch', 'horovod', 'deepspeed') if m in sys.modules))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120

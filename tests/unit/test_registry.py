@@ -112,3 +112,80 @@ def test_custom_backend_instance_is_accepted():
 
     backend = NoOp()
     assert get_backend(backend, framework="torch") is backend
+
+
+def test_every_fact_about_a_backend_comes_from_its_registry_entry():
+    """Install hints, the backend suite's cases and the check rows derive from BackendSpec."""
+    from polytrain.compat import imports
+
+    for spec in registry.describe_backends():
+        assert spec.test_cases, f"{spec.name} has no test cases in its registry entry"
+        for module in spec.requires:
+            if spec.extra:
+                assert imports.install_hint(module) == spec.install_hint
+    assert registry.get_spec("deepspeed").install_hint == 'pip install "polytrain[deepspeed]"'
+    assert "scripts/install_horovod.sh" in registry.get_spec("hvd").install_hint
+    ids = [case.id for case in registry.get_spec("deepspeed").test_cases]
+    assert ids == ["deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"]
+
+
+def test_a_new_backend_is_one_class_and_one_entry():
+    """The recipe in the README: a Backend subclass binding a config, a rendezvous and a strategy."""
+    from dataclasses import dataclass
+
+    from polytrain.backends.rendezvous import Rendezvous
+    from polytrain.backends.strategy import TorchStrategy
+
+    @dataclass
+    class EchoConfig(BackendConfig):
+        flag: bool = False
+
+    class EchoStrategy(TorchStrategy):
+        pass
+
+    class EchoBackend(Backend):
+        name = "echo"
+        config_cls = EchoConfig
+        rendezvous_cls = Rendezvous
+        strategy_cls = EchoStrategy
+
+    import sys
+    import types
+
+    module = types.ModuleType("echo_backend_for_test")
+    module.EchoBackend = EchoBackend
+    sys.modules[module.__name__] = module
+    spec = BackendSpec(
+        "echo", "echo_backend_for_test:EchoBackend", "torch", "test", aliases=("ech",)
+    )
+    registry.register_backend(spec)
+    try:
+        backend = get_backend("ech", {"flag": True})
+        assert isinstance(backend, EchoBackend) and backend.config.flag is True
+        assert isinstance(backend.make_strategy(), EchoStrategy)
+        assert type(backend.make_rendezvous()) is Rendezvous
+    finally:
+        registry._SPECS.pop("echo")
+        registry._ALIASES.pop("echo")
+        registry._ALIASES.pop("ech")
+        sys.modules.pop(module.__name__)
+
+
+def test_registry_errors_are_polytrain_errors():
+    from polytrain.errors import ConfigError, PolytrainError
+
+    assert issubclass(UnknownBackendError, ConfigError)
+    assert issubclass(MissingDependencyError, PolytrainError)
+    assert issubclass(MissingDependencyError, ImportError)
+
+
+def test_raysgd_gloo_and_nccl_are_ddp_with_that_process_group_backend():
+    assert resolve_backend_name("gloo") == "ddp" and resolve_backend_name("NCCL") == "ddp"
+    assert get_backend("gloo").config.dist_backend == "gloo"
+    assert get_backend("nccl").config.dist_backend == "nccl"
+    assert get_backend("gloo", {"static_graph": True}).config.static_graph is True
+    with pytest.raises(ValueError, match="backend='gloo' means backend 'ddp'.*dist_backend"):
+        get_backend("gloo", {"dist_backend": "nccl"})
+    with pytest.raises(UnknownBackendError) as info:
+        resolve_backend_name("mpi")
+    assert "gloo = ddp with {'dist_backend': 'gloo'}" in str(info.value)

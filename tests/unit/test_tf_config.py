@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
+from polytrain.backends.context import WorkerContext
 from polytrain.backends.registry import get_backend
+from polytrain.backends.rendezvous import Rendezvous
+from polytrain.backends.strategy import KerasStrategy
 from polytrain.backends.tensorflow import (
     MultiWorkerMirroredBackend,
     MWMSConfig,
+    MWMSStrategy,
+    TFConfigRendezvous,
     build_tf_config,
     format_address,
     is_chief,
@@ -19,6 +26,7 @@ from polytrain.backends.tensorflow import (
     worker_env,
 )
 from polytrain.compat.keras import LEGACY_KERAS_VAR, legacy_keras_env
+from polytrain.errors import ConfigError
 
 ADDRESSES = ["10.0.0.1:2222", "10.0.0.1:2223", "10.0.0.2:2222"]
 
@@ -84,7 +92,7 @@ def test_backend_registry_config_and_settings():
     assert backend.framework == "tensorflow"
     assert backend.config == MWMSConfig(communication="ring", auto_shard_policy="off")
     assert MWMSConfig() == MWMSConfig(communication="auto", auto_shard_policy="data")
-    assert backend.worker_env_vars() == {LEGACY_KERAS_VAR: "1"}
+    assert backend.make_rendezvous().worker_env_vars() == {LEGACY_KERAS_VAR: "1"}
     with pytest.raises(ValueError, match=r"communication \('gloo'\) is not supported.*'ring'"):
         MWMSConfig(communication="gloo")
     with pytest.raises(ValueError, match=r"auto_shard_policy \('hint'\).*'data', 'file'"):
@@ -103,6 +111,67 @@ def test_backend_registry_config_and_settings():
         )
 
 
+def test_backend_binds_a_driver_side_and_a_keras_worker_side():
+    backend = get_backend("mwms", {"communication": "ring"})
+    assert backend.config_cls is MWMSConfig
+    rendezvous = backend.make_rendezvous()
+    assert isinstance(rendezvous, TFConfigRendezvous) and isinstance(rendezvous, Rendezvous)
+    strategy = backend.make_strategy()
+    assert isinstance(strategy, MWMSStrategy) and isinstance(strategy, KerasStrategy)
+    assert strategy.config is backend.config and strategy.framework == "tensorflow"
+    # Only the hooks that make sense for Keras: nothing torch-shaped that raises by design.
+    for hook in ("backward", "step", "make_scaler", "unwrap_model", "no_sync", "on_start"):
+        assert not hasattr(strategy, hook) and not hasattr(backend, hook), hook
+
+
+def test_config_errors_are_config_errors():
+    for make in (
+        lambda: MWMSConfig(communication="gloo"),
+        lambda: MWMSConfig(collective_timeout_s=0),
+        lambda: build_tf_config([], 0),
+        lambda: worker_env(ADDRESSES, 0, use_gpu=True),
+        lambda: get_backend("mwms").validate_settings(num_workers=1, use_gpu=False, use_fp16=True),
+    ):
+        with pytest.raises(ConfigError):
+            make()
+
+
+class _InProcessGroup:
+    """Runs what the rendezvous sends to "workers" in this process, on three fake nodes' metadata."""
+
+    def __init__(self, nodes):
+        self.metadata = [
+            SimpleNamespace(node_id=node, node_ip=f"10.0.0.{node}", gpu_ids=()) for node in nodes
+        ]
+        self.calls = []
+
+    def execute_single_async(self, rank, fn, *args):
+        self.calls.append((rank, fn.__name__))
+        return fn(*args)
+
+    def get(self, refs, ranks=None):
+        return list(refs)
+
+
+def test_rendezvous_gives_every_worker_its_tf_config(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", "")  # restored after the test
+    rendezvous = get_backend("mwms").make_rendezvous()
+    local = _InProcessGroup(["1"])
+    rendezvous.on_start(local, WorkerContext(local_mode=True))
+    assert local.calls == []  # local mode: no cluster
+    group = _InProcessGroup(["1", "1", "2"])
+    rendezvous.on_start(group, WorkerContext(world_size=3))
+    # One port request per node (by its first worker), then one TF_CONFIG per worker.
+    assert group.calls == [(0, "_free_ports"), (2, "_free_ports")] + [
+        (rank, "_set_env") for rank in range(3)
+    ]
+    tf_config = json.loads(os.environ["TF_CONFIG"])  # the last "worker" set it here
+    addresses = tf_config["cluster"]["worker"]
+    assert tf_config["task"] == {"type": "worker", "index": 2}
+    assert [a.rsplit(":", 1)[0] for a in addresses] == ["10.0.0.1", "10.0.0.1", "10.0.0.2"]
+    assert addresses[0] != addresses[1]
+
+
 def test_legacy_keras_env_is_restored():
     import os
 
@@ -118,8 +187,12 @@ def test_importing_the_tf_modules_imports_neither_tensorflow_nor_torch():
     code = (
         "import sys, polytrain\n"
         "from polytrain import TFTrainer\n"
+        "import polytrain.trainer_api.tf_worker\n"
+        "# The TF workers reach the backend only through the instance they are sent.\n"
+        "assert 'polytrain.backends.tensorflow' not in sys.modules\n"
         "import polytrain.backends.tensorflow, polytrain.compat.keras\n"
         "import polytrain.trainer_api.tf_worker, polytrain.trainer_api.checkpoint\n"
+        "import polytrain.backends.tensorflow_rendezvous, polytrain.backends.tensorflow_strategy\n"
         "from polytrain.backends.registry import get_backend\n"
         "from polytrain.backends.base import WorkerContext\n"
         "get_backend('mwms')\n"

@@ -1,0 +1,79 @@
+"""DeepSpeed's effects on the process it runs in, kept in check (both sides of the backend).
+
+``import deepspeed`` and its engine change the environment and cache process
+groups in module globals; the driver (and a local-mode worker, which is the
+driver) keeps its environment, and a later trainer in the same process must not
+reuse the groups of a destroyed world. No framework is imported at module level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def preserved_env() -> Iterator[None]:
+    """Undo the environment changes DeepSpeed and torch make for themselves on import/init.
+
+    ``import deepspeed`` sets ``PYTORCH_NVML_BASED_CUDA_CHECK`` and its engine's first
+    use imports torch's inductor, which sets ``TORCHINDUCTOR_CACHE_DIR``; the driver
+    (and a local-mode worker, which is the driver) keeps its environment.
+    """
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for key in set(os.environ) - set(before):
+            del os.environ[key]
+        for key, value in before.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+
+
+def import_deepspeed() -> Any:
+    """Import DeepSpeed without leaving its import-time environment changes behind."""
+    with preserved_env():
+        import deepspeed
+    return deepspeed
+
+
+def skip_unused_shm_extension() -> None:
+    """Do not build DeepSpeed's shared-memory all-reduce extension on CPU.
+
+    DeepSpeed compiles it on the first launch on a machine (40-120 s), but uses it
+    only for inference all-reduce and only when LOCAL_SIZE is set; training never
+    calls it. Gloo does the training collectives either way.
+    """
+    if "LOCAL_SIZE" in os.environ:
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return
+    try:
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    except Exception:  # noqa: BLE001 - a DeepSpeed without the op table just builds it
+        logger.debug("could not mark deepspeed_shm_comm as unused", exc_info=True)
+
+
+def forget_deepspeed_groups() -> None:
+    """Drop DeepSpeed's cached process groups before the default group is destroyed.
+
+    DeepSpeed caches sub-groups in module globals; a later trainer in the same
+    process (local mode) would otherwise reuse groups of a destroyed world.
+    """
+    try:
+        from deepspeed.utils import groups
+    except Exception:  # noqa: BLE001 - nothing cached without DeepSpeed
+        return
+    for name, value in list(vars(groups).items()):
+        if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")):
+            setattr(groups, name, None if not isinstance(value, dict) else {})

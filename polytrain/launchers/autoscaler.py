@@ -1,0 +1,383 @@
+"""What an autoscaling Ray cluster can become, and whether a worker group can ever fit it.
+
+Ray's autoscaler adds nodes of its configured node types (each up to its max count,
+all together up to the cluster's ``max_workers``) when work asks for them. A request
+that fits no node type fails at once; one that some node type holds waits for the
+autoscaler, with a progress line on the driver.
+
+Pure functions (unit-tested without Ray): :func:`shape_from_config`,
+:func:`shape_from_gcs_config`, :func:`can_ever_fit`, :func:`nodes_to_add`,
+:func:`pending_from_status`, :func:`waiting_message`, :func:`node_setup_commands`.
+Readers of a connected Ray cluster: :func:`read_cluster_shape`,
+:func:`read_autoscaler_status`, :func:`live_nodes`. Ray is imported only inside them.
+
+Where Ray 2.60 keeps the node types: autoscaler v2 deployments may publish them in the
+GCS (``ray._private.state.state.get_cluster_config()``); the default (v1) autoscaler
+does not, so the head's autoscaling config file is read instead, found on the command
+line of the monitor process that the autoscaler status names. That works on the head
+node (a job submitted with ``polytrain submit``, ``ray attach``, Slurm's batch host);
+elsewhere pass the cluster file (``POLYTRAIN_CLUSTER_CONFIG`` or ``config_path``).
+Estimates err towards waiting: unknown counts or undeclared resources never make a
+feasible request look impossible.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Start timeout when an autoscaler may have to start nodes (cloud VMs take minutes).
+AUTOSCALER_START_TIMEOUT_S = 600.0
+#: How often the driver prints a progress line while it waits for the autoscaler.
+PROGRESS_EVERY_S = 20.0
+#: A cluster file (launcher YAML or RayCluster manifest) to read node types from.
+CLUSTER_CONFIG_ENV = "POLYTRAIN_CLUSTER_CONFIG"
+
+_STATUS_KEY = "__autoscaling_status"  # ray._private.ray_constants.DEBUG_AUTOSCALING_STATUS
+
+
+@dataclass(frozen=True)
+class NodeType:
+    """A worker node type the autoscaler may add.
+
+    Attributes:
+        name: the node type's name in the cluster config.
+        resources: what one node offers; empty when the config leaves it to the
+            provider (filled in at launch from the instance type).
+        min_workers: nodes of this type kept running.
+        max_workers: the most nodes of this type; None for no per-type limit.
+    """
+
+    name: str
+    resources: Mapping[str, float]
+    min_workers: int = 0
+    max_workers: int | None = None
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """What the cluster can become: its worker node types and its node limit."""
+
+    node_types: tuple[NodeType, ...]
+    max_workers: int | None = None
+    source: str = ""
+    setup: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def describe(self) -> str:
+        """One line: ``cpu_node {CPU: 2} x 0-2, ... (at most 3 worker nodes)``."""
+        parts = [
+            f"{t.name} {{{_fmt(t.resources) or 'resources set at launch'}}} x "
+            f"{t.min_workers}-{'unlimited' if t.max_workers is None else t.max_workers}"
+            for t in self.node_types
+        ]
+        limit = "" if self.max_workers is None else f" (at most {self.max_workers} worker nodes)"
+        return (", ".join(parts) or "no worker node types") + limit
+
+
+# ------------------------------------------------------------------ reading configs
+def shape_from_config(config: Mapping[str, Any], source: str = "") -> ClusterShape:
+    """The shape described by a cluster-launcher config or a KubeRay RayCluster/RayJob.
+
+    A RayCluster goes through Ray's own KubeRay translation (what the KubeRay autoscaler
+    sees). The head node type is left out: it is never added.
+    """
+    if config.get("kind") in ("RayCluster", "RayJob"):
+        config = _from_ray_cr(config)
+    head = config.get("head_node_type")
+    global_max = config.get("max_workers")
+    types = []
+    for name, spec in (config.get("available_node_types") or {}).items():
+        if name == head:
+            continue
+        limit = spec.get("max_workers", global_max)
+        types.append(
+            NodeType(
+                name=name,
+                resources={k: float(v) for k, v in (spec.get("resources") or {}).items()},
+                min_workers=int(spec.get("min_workers", 0)),
+                max_workers=None if limit is None else int(limit),
+            )
+        )
+    return ClusterShape(
+        tuple(types),
+        None if global_max is None else int(global_max),
+        source,
+        setup=config,
+    )
+
+
+def _from_ray_cr(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    from ray.autoscaler._private.kuberay.autoscaling_config import (
+        _derive_autoscaling_config_from_ray_cr,
+    )
+
+    spec = manifest["spec"]["rayClusterSpec"] if manifest["kind"] == "RayJob" else manifest["spec"]
+    metadata = {"namespace": "default", **manifest.get("metadata", {})}
+    return _derive_autoscaling_config_from_ray_cr({"metadata": metadata, "spec": spec})
+
+
+def shape_from_gcs_config(cluster_config: Any, source: str = "GCS") -> ClusterShape:
+    """The shape in an ``autoscaler_pb2.ClusterConfig`` (max_count -1: unlimited)."""
+    types = tuple(
+        NodeType(
+            name=group.name,
+            resources={k: float(v) for k, v in group.resources.items()},
+            min_workers=int(group.min_count),
+            max_workers=None if group.max_count < 0 else int(group.max_count),
+        )
+        for group in cluster_config.node_group_configs
+        if group.max_count != 0
+    )
+    return ClusterShape(types, None, source)
+
+
+def node_setup_commands(config: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Each node type's setup commands as the cluster launcher runs them.
+
+    The head runs ``setup_commands + head_setup_commands``; a worker type runs its own
+    ``worker_setup_commands`` when it has them (they *replace* the global list), else
+    ``setup_commands + worker_setup_commands``. Without node types (an on-premise
+    cluster) the result has a "head" and a "workers" entry.
+    """
+    common = list(config.get("setup_commands") or [])
+    workers = common + list(config.get("worker_setup_commands") or [])
+    head = config.get("head_node_type")
+    types = config.get("available_node_types") or {"head": {}, "workers": {}}
+    head = head if config.get("available_node_types") else "head"
+    result = {}
+    for name, spec in types.items():
+        if name == head:
+            result[name] = common + list(config.get("head_setup_commands") or [])
+        else:
+            result[name] = list(spec.get("worker_setup_commands", workers))
+    return result
+
+
+# ------------------------------------------------------------------ fitting
+def bundles_per_node(resources: Mapping[str, float], bundle: Mapping[str, float]) -> int:
+    """How many copies of ``bundle`` one node with ``resources`` holds."""
+    counts = [
+        math.floor(resources.get(name, 0.0) / amount + 1e-9)
+        for name, amount in bundle.items()
+        if amount > 0
+    ]
+    return max(0, min(counts)) if counts else 1 << 30
+
+
+def _addable(shape: ClusterShape | Sequence[NodeType], live_counts: Mapping[str, int]):
+    """[(node type, bundles per node or None if undeclared, how many more)], node cap."""
+    types = shape.node_types if isinstance(shape, ClusterShape) else tuple(shape)
+    cap = shape.max_workers if isinstance(shape, ClusterShape) else None
+    if cap is not None:
+        cap = max(0, cap - sum(n for t, n in live_counts.items() if t in {x.name for x in types}))
+    out = []
+    for t in types:
+        more = (
+            math.inf
+            if t.max_workers is None
+            else max(0, t.max_workers - live_counts.get(t.name, 0))
+        )
+        out.append((t, more))
+    return out, (math.inf if cap is None else cap)
+
+
+def can_ever_fit(
+    bundle: Mapping[str, float],
+    count: int,
+    live_nodes: Sequence[Mapping[str, float]],
+    node_types: ClusterShape | Sequence[NodeType],
+    strategy: str = "PACK",
+    live_counts: Mapping[str, int] | None = None,
+) -> tuple[bool, str]:
+    """Whether ``count`` bundles can be placed once the autoscaler has added what it may.
+
+    Args:
+        bundle: one worker's resources, e.g. ``{"CPU": 2, "GPU": 1}``.
+        count: how many workers.
+        live_nodes: total resources of each alive node (``ray.nodes()[i]["Resources"]``).
+        node_types: the autoscaler's worker node types (a :class:`ClusterShape` also
+            carries the cluster's node limit).
+        strategy: the placement group strategy.
+        live_counts: alive nodes per node type (unknown: none, so the estimate can only
+            err towards waiting).
+
+    Returns:
+        ``(True, how)`` or ``(False, why not)``; the reason is a sentence fragment that
+        names the live nodes and the node types.
+    """
+    addable, cap = _addable(node_types, live_counts or {})
+    live_fit = [bundles_per_node(n, bundle) for n in live_nodes]
+    type_fit = [(t, _per_type(t, bundle), more) for t, more in addable]
+    if strategy == "STRICT_PACK":
+        best = max([*live_fit, *(p for _, p, more in type_fit if more and cap)], default=0)
+        ok = best >= count
+    elif strategy == "STRICT_SPREAD":
+        nodes = sum(1 for n in live_fit if n >= 1)
+        nodes += min(cap, sum(more for _, p, more in type_fit if p >= 1))
+        ok = nodes >= count
+    else:
+        ok = sum(live_fit) + _best_added(type_fit, cap) >= count
+    if not ok:
+        return False, _why_not(bundle, count, strategy, live_fit, type_fit, cap)
+    if _fits_live(live_fit, count, strategy):
+        return True, "fits the live nodes"
+    return True, "fits once the autoscaler adds nodes"
+
+
+def _per_type(t: NodeType, bundle: Mapping[str, float]) -> float:
+    # Undeclared resources: the provider fills them in at launch; assume the type fits.
+    return math.inf if not t.resources else bundles_per_node(t.resources, bundle)
+
+
+def _best_added(type_fit: list, cap: float) -> float:
+    """The most bundles ``cap`` added nodes hold, the roomiest node types first."""
+    total, left = 0.0, cap
+    for _, per, more in sorted(type_fit, key=lambda x: -x[1]):
+        if per <= 0 or left <= 0:
+            break
+        take = min(more, left)
+        if take == math.inf:
+            return math.inf
+        total += per * take
+        left -= take
+    return total
+
+
+def _fits_live(live_fit: list[int], count: int, strategy: str) -> bool:
+    if strategy == "STRICT_PACK":
+        return max(live_fit, default=0) >= count
+    if strategy == "STRICT_SPREAD":
+        return sum(1 for n in live_fit if n >= 1) >= count
+    return sum(live_fit) >= count
+
+
+def _why_not(bundle, count, strategy, live_fit, type_fit, cap) -> str:
+    live = f"the {len(live_fit)} live node(s) hold {sum(live_fit)} worker(s) of {_fmt(bundle)}"
+    if not type_fit:
+        return f"{live} and no autoscaler node type can add more"
+    types = ", ".join(
+        f"{t.name} ({_fmt(t.resources)}) holds {'?' if p == math.inf else f'{p:g}'} per node, up to "
+        f"{'unlimited' if more == math.inf else f'{more:g}'} more node(s)"
+        for t, p, more in type_fit
+    )
+    limit = "" if cap == math.inf else f"; the cluster may add {cap:g} more node(s) in all"
+    how = {"STRICT_PACK": " on one node", "STRICT_SPREAD": " on distinct nodes"}.get(strategy, "")
+    return f"{count} worker(s){how} can never be placed: {live}; {types}{limit}"
+
+
+def nodes_to_add(
+    bundle: Mapping[str, float],
+    count: int,
+    free_nodes: Sequence[Mapping[str, float]],
+    node_types: ClusterShape | Sequence[NodeType],
+    live_counts: Mapping[str, int] | None = None,
+) -> dict[str, int]:
+    """An estimate of the nodes per type the autoscaler must add (for progress lines)."""
+    short = count - sum(bundles_per_node(n, bundle) for n in free_nodes)
+    addable, cap = _addable(node_types, live_counts or {})
+    plan: dict[str, int] = {}
+    for t, more in sorted(addable, key=lambda x: -_per_type(x[0], bundle)):
+        per = _per_type(t, bundle)
+        while short > 0 and per > 0 and more > 0 and cap > 0:
+            plan[t.name] = plan.get(t.name, 0) + 1
+            short, more, cap = short - per, more - 1, cap - 1
+    return plan
+
+
+# ------------------------------------------------------------------ progress
+def pending_from_status(status: Mapping[str, Any] | None) -> dict[str, int]:
+    """Nodes per type the autoscaler is launching or starting, from its status JSON."""
+    report = (status or {}).get("autoscaler_report") or {}
+    pending: dict[str, int] = dict(report.get("pending_launches") or {})
+    for entry in report.get("pending_nodes") or []:
+        node_type = entry[1] if len(entry) > 1 else "node"
+        pending[node_type] = pending.get(node_type, 0) + 1
+    return pending
+
+
+def live_counts_from_status(status: Mapping[str, Any] | None) -> dict[str, int]:
+    """Alive nodes per node type, from the autoscaler's status JSON."""
+    report = (status or {}).get("autoscaler_report") or {}
+    return {k: int(v) for k, v in (report.get("active_nodes") or {}).items()}
+
+
+def waiting_message(pending: Mapping[str, int], waited_s: float) -> str:
+    """``waiting for 2 x cpu_node from the autoscaler, 40 s so far``."""
+    what = " and ".join(f"{n} x {t}" for t, n in sorted(pending.items()) if n > 0)
+    return f"waiting for {what or 'nodes'} from the autoscaler, {waited_s:.0f} s so far"
+
+
+# ------------------------------------------------------------------ Ray readers
+def read_autoscaler_status() -> dict[str, Any] | None:
+    """The autoscaler's status JSON in the GCS (None: no autoscaler has reported)."""
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(_STATUS_KEY)
+    return json.loads(raw) if raw else None
+
+
+def live_nodes() -> list[dict[str, float]]:
+    """Total resources of every alive node."""
+    import ray
+
+    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+
+
+def read_cluster_shape(config_path: str | os.PathLike | None = None) -> ClusterShape | None:
+    """What the connected cluster can become; None when no source is visible from here.
+
+    Sources, first found wins: ``config_path`` (or ``$POLYTRAIN_CLUSTER_CONFIG``), the
+    GCS cluster config, the autoscaling config file of the head's monitor process.
+    """
+    path = config_path or os.environ.get(CLUSTER_CONFIG_ENV)
+    if path:
+        return shape_from_config(load_config_file(path), str(path))
+    import ray._private.state
+
+    gcs_config = ray._private.state.state.get_cluster_config()
+    if gcs_config is not None and gcs_config.node_group_configs:
+        return shape_from_gcs_config(gcs_config)
+    monitor_file = _monitor_config_file(read_autoscaler_status())
+    if monitor_file is not None:
+        return shape_from_config(load_config_file(monitor_file), str(monitor_file))
+    return None
+
+
+def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A cluster file: YAML (JSON is YAML too)."""
+    import yaml
+
+    return yaml.safe_load(Path(path).expanduser().read_text()) or {}
+
+
+def _monitor_config_file(status: Mapping[str, Any] | None) -> Path | None:
+    """The ``--autoscaling-config`` of the monitor named in the status, if it runs here."""
+    import ray
+
+    pid = (status or {}).get("monitor_pid")
+    try:
+        args = Path(f"/proc/{int(pid)}/cmdline").read_bytes().decode().split("\0")
+    except (TypeError, ValueError, OSError):
+        return None
+    gcs = ray.get_runtime_context().gcs_address
+    if not any("monitor" in a for a in args) or not any(a.endswith(gcs) for a in args):
+        return None  # another process with that pid: the monitor runs on another host
+    for i, arg in enumerate(args):
+        if arg.startswith("--autoscaling-config"):
+            value = arg.partition("=")[2] or (args[i + 1] if i + 1 < len(args) else "")
+            file = Path(value).expanduser()
+            return file if value and file.is_file() else None
+    return None
+
+
+def _fmt(resources: Mapping[str, float]) -> str:
+    return ", ".join(
+        f"{k}: {v / 2**30:.0f} GiB" if k.endswith("memory") else f"{k}: {v:g}"
+        for k, v in sorted(resources.items())
+        if not k.startswith("node:")
+    )
