@@ -256,12 +256,8 @@ def _check_nodes(report: _Report, cluster_config: str | None) -> None:
         report.add("autoscaler", "FAIL", f"cannot read {cluster_config}: {exc}")
         return
     if shape is None:
-        report.add(
-            "autoscaler",
-            "SKIP",
-            "no node types visible from here (neither in the GCS nor in an autoscaling "
-            "config on this host); pass --cluster-config FILE to see what it can add",
-        )
+        why = "no autoscaler node types visible here (GCS, autoscaling config on this host)"
+        report.add("autoscaler", "SKIP", f"{why}; --cluster-config FILE names them")
         return
     status = autoscaler.read_autoscaler_status()
     counts = autoscaler.live_counts_from_status(status)
@@ -342,12 +338,17 @@ def installed_extras(commands: list[str], repo: Path) -> set[str]:
         if "setup.sh" in command and "install_horovod" not in command:
             script = repo / "scripts" / "setup.sh"
             lines = script.read_text().splitlines() if script.is_file() else []
-            sub = installed_extras([ln for ln in lines if not ln.lstrip().startswith("#")], repo)
+            lines = [ln for ln in lines if not ln.lstrip().startswith("#") and "setup.sh" not in ln]
+            sub = installed_extras(lines, repo)
             named |= sub - ({"horovod"} if "SKIP_HOROVOD=1" in command else set())
         if "install_horovod.sh" in command:
             named.add("horovod")
         for pip_args in re.findall(r"pip3?\s+install\s+([^;&|]*)", command):
-            for word in shlex.split(pip_args.replace("$", "")):
+            try:
+                words = shlex.split(pip_args.replace("$", ""))
+            except ValueError:  # unbalanced quotes: words as they stand
+                words = pip_args.split()
+            for word in words:
                 bracket = re.match(r"(?:.*polytrain[^\[]*|\.)\[([\w,\- ]+)\]$", word)
                 if bracket:
                     named |= {e.strip() for e in bracket[1].split(",")}

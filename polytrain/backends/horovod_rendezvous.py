@@ -20,6 +20,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from polytrain.backends.rendezvous import Rendezvous
+from polytrain.launchers.network import interface_with_address
+
+# The older private name, re-exported by backends/horovod.py.
+_interface_with_address = interface_with_address
 
 if TYPE_CHECKING:
     from polytrain.backends.context import WorkerContext
@@ -108,30 +112,20 @@ def _check_joined(rank_infos: Sequence[Any], joined: Sequence[tuple[int, int, in
             )
 
 
-def _interface_with_address(ip: str) -> str | None:
-    """The network interface that holds ``ip`` on this host, if any."""
-    import socket
-
-    import psutil
-
-    for iface, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
-            return iface
-    return None
-
-
 # ------------------------------------------------ functions run in the workers
-def _init_worker(env: dict[str, str], node_ip: str) -> tuple[int, int, int, int]:
+def _init_worker(
+    env: dict[str, str], node_ip: str, use_gpu: bool = False
+) -> tuple[int, int, int, int]:
     """Worker: set the Horovod environment and join the rendezvous (blocks for all ranks)."""
     import horovod.torch as hvd
 
-    env = dict(env)
-    # gloo binds to the interface that carries the address Ray reaches this node on:
-    # that one routes to the other nodes. Interface names may differ between hosts.
-    iface = _interface_with_address(node_ip)
-    if iface is not None:
-        env["HOROVOD_GLOO_IFACE"] = iface
+    from polytrain.launchers.network import apply_socket_ifname_env
+
     os.environ.update(env)
+    # gloo binds to the interface that carries the address Ray reaches this node on:
+    # that one routes to the other nodes. Interface names may differ between hosts, so
+    # the lookup runs here; an interface the user set (HOROVOD_GLOO_IFACE, ...) is kept.
+    apply_socket_ifname_env(node_ip, use_gpu)
     if hvd.is_initialized():  # a reused process: join the new group instead
         hvd.shutdown()
     hvd.init()
@@ -215,6 +209,7 @@ class HorovodRendezvous(Rendezvous):
                 _init_worker,
                 horovod_env(slot, addr, port, self.config, ctx.timeout_s),
                 group.metadata[rank].node_ip,
+                ctx.use_gpu,
             )
             for rank, slot in enumerate(slots)
         ]

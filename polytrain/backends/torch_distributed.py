@@ -31,11 +31,18 @@ def _init_process_group(
     world_size: int,
     timeout_s: float,
     env: dict[str, str],
+    node_ip: str | None = None,
 ) -> None:
     import torch.distributed as dist
 
+    from polytrain.launchers.network import apply_socket_ifname_env
+
     global _created_here
     os.environ.update(env)
+    if node_ip is not None:
+        # gloo (and NCCL's bootstrap) bind to the interface that holds the address Ray
+        # reaches this node at, not to whatever the host name resolves to.
+        apply_socket_ifname_env(node_ip, use_gpu=backend == "nccl")
     if dist.is_initialized():
         dist.destroy_process_group()
     _created_here = True
@@ -87,6 +94,7 @@ def start_process_group(
             info.world_size,
             ctx.timeout_s,
             torch_distributed_env(info, master_addr, master_port),
+            group.metadata[rank].node_ip,
         )
         for rank, info in enumerate(group.rank_infos)
     ]

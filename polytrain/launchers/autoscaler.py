@@ -1,24 +1,17 @@
 """What an autoscaling Ray cluster can become, and whether a worker group can ever fit it.
 
-Ray's autoscaler adds nodes of its configured node types (each up to its max count,
-all together up to the cluster's ``max_workers``) when work asks for them. A request
-that fits no node type fails at once; one that some node type holds waits for the
-autoscaler, with a progress line on the driver.
+Ray's autoscaler adds nodes of its node types (each up to its max count, all together up
+to the cluster's ``max_workers``) when work asks for them. A request that no node type
+can hold fails at once (:func:`judge_request`); one that some node type holds waits for
+the autoscaler with a progress line on the driver (:func:`wait_for_nodes`). Only the
+functions that read the connected cluster import Ray.
 
-Pure functions (unit-tested without Ray): :func:`shape_from_config`,
-:func:`shape_from_gcs_config`, :func:`can_ever_fit`, :func:`nodes_to_add`,
-:func:`pending_from_status`, :func:`waiting_message`, :func:`node_setup_commands`.
-Readers of a connected Ray cluster: :func:`read_cluster_shape`,
-:func:`read_autoscaler_status`, :func:`live_nodes`. Ray is imported only inside them.
-
-Where Ray 2.60 keeps the node types: autoscaler v2 deployments may publish them in the
-GCS (``ray._private.state.state.get_cluster_config()``); the default (v1) autoscaler
-does not, so the head's autoscaling config file is read instead, found on the command
-line of the monitor process that the autoscaler status names. That works on the head
-node (a job submitted with ``polytrain submit``, ``ray attach``, Slurm's batch host);
-elsewhere pass the cluster file (``POLYTRAIN_CLUSTER_CONFIG`` or ``config_path``).
-Estimates err towards waiting: unknown counts or undeclared resources never make a
-feasible request look impossible.
+Where Ray 2.60 keeps the node types: autoscaler v2 may publish them in the GCS
+(``ray._private.state.state.get_cluster_config()``); the default v1 autoscaler does not,
+so the head's autoscaling config file is read, named on the command line of the monitor
+process in the autoscaler's status: that works on the head (``polytrain submit`` jobs,
+Slurm's batch host); elsewhere set ``POLYTRAIN_CLUSTER_CONFIG`` to the cluster file.
+Estimates err towards waiting: unknown counts never make a request look impossible.
 """
 
 from __future__ import annotations
@@ -26,35 +19,33 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: Start timeout when an autoscaler may have to start nodes (cloud VMs take minutes).
-AUTOSCALER_START_TIMEOUT_S = 600.0
-#: How often the driver prints a progress line while it waits for the autoscaler.
-PROGRESS_EVERY_S = 20.0
-#: A cluster file (launcher YAML or RayCluster manifest) to read node types from.
-CLUSTER_CONFIG_ENV = "POLYTRAIN_CLUSTER_CONFIG"
+from polytrain.errors import InsufficientResourcesError
+
+#: Start timeouts without and with an autoscaler: a new cloud node boots and runs its
+#: setup (examples/cluster: downloads and a Horovod build) before it joins.
+START_TIMEOUT_S, AUTOSCALER_START_TIMEOUT_S = 30.0, 900.0
+PROGRESS_EVERY_S = 20.0  # how often the driver prints a line while it waits
+CLUSTER_CONFIG_ENV = "POLYTRAIN_CLUSTER_CONFIG"  # a cluster file to read node types from
 
 _STATUS_KEY = "__autoscaling_status"  # ray._private.ray_constants.DEBUG_AUTOSCALING_STATUS
+_HINTS = (
+    "Lower the per-worker resources or add a larger node type.",
+    "Set use_gpu=False or add a GPU node type.",
+)
 
 
 @dataclass(frozen=True)
 class NodeType:
-    """A worker node type the autoscaler may add.
-
-    Attributes:
-        name: the node type's name in the cluster config.
-        resources: what one node offers; empty when the config leaves it to the
-            provider (filled in at launch from the instance type).
-        min_workers: nodes of this type kept running.
-        max_workers: the most nodes of this type; None for no per-type limit.
-    """
+    """A worker node type the autoscaler may add (``max_workers`` None: no own limit)."""
 
     name: str
-    resources: Mapping[str, float]
+    resources: Mapping[str, float]  # per node; empty: the provider sets them at launch
     min_workers: int = 0
     max_workers: int | None = None
 
@@ -86,29 +77,25 @@ def shape_from_config(config: Mapping[str, Any], source: str = "") -> ClusterSha
     A RayCluster goes through Ray's own KubeRay translation (what the KubeRay autoscaler
     sees). The head node type is left out: it is never added.
     """
+    original = config
     if config.get("kind") in ("RayCluster", "RayJob"):
         config = _from_ray_cr(config)
-    head = config.get("head_node_type")
-    global_max = config.get("max_workers")
-    types = []
-    for name, spec in (config.get("available_node_types") or {}).items():
-        if name == head:
-            continue
-        limit = spec.get("max_workers", global_max)
-        types.append(
-            NodeType(
-                name=name,
-                resources={k: float(v) for k, v in (spec.get("resources") or {}).items()},
-                min_workers=int(spec.get("min_workers", 0)),
-                max_workers=None if limit is None else int(limit),
-            )
+    cap = config.get("max_workers")
+    types = tuple(
+        NodeType(
+            name,
+            {k: float(v) for k, v in (spec.get("resources") or {}).items()},
+            int(spec.get("min_workers", 0)),
+            _int_or_none(spec.get("max_workers", cap)),
         )
-    return ClusterShape(
-        tuple(types),
-        None if global_max is None else int(global_max),
-        source,
-        setup=config,
+        for name, spec in (config.get("available_node_types") or {}).items()
+        if name != config.get("head_node_type")
     )
+    return ClusterShape(types, _int_or_none(cap), source, setup=original)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _from_ray_cr(manifest: Mapping[str, Any]) -> dict[str, Any]:
@@ -123,17 +110,16 @@ def _from_ray_cr(manifest: Mapping[str, Any]) -> dict[str, Any]:
 
 def shape_from_gcs_config(cluster_config: Any, source: str = "GCS") -> ClusterShape:
     """The shape in an ``autoscaler_pb2.ClusterConfig`` (max_count -1: unlimited)."""
-    types = tuple(
-        NodeType(
-            name=group.name,
-            resources={k: float(v) for k, v in group.resources.items()},
-            min_workers=int(group.min_count),
-            max_workers=None if group.max_count < 0 else int(group.max_count),
-        )
-        for group in cluster_config.node_group_configs
-        if group.max_count != 0
+    return ClusterShape(
+        tuple(
+            NodeType(
+                g.name, dict(g.resources), g.min_count, None if g.max_count < 0 else g.max_count
+            )
+            for g in cluster_config.node_group_configs
+            if g.max_count != 0
+        ),
+        source=source,
     )
-    return ClusterShape(types, None, source)
 
 
 def node_setup_commands(config: Mapping[str, Any]) -> dict[str, list[str]]:
@@ -170,20 +156,12 @@ def bundles_per_node(resources: Mapping[str, float], bundle: Mapping[str, float]
 
 
 def _addable(shape: ClusterShape | Sequence[NodeType], live_counts: Mapping[str, int]):
-    """[(node type, bundles per node or None if undeclared, how many more)], node cap."""
+    """[(node type, how many more nodes of it)], how many more nodes in all."""
     types = shape.node_types if isinstance(shape, ClusterShape) else tuple(shape)
     cap = shape.max_workers if isinstance(shape, ClusterShape) else None
-    if cap is not None:
-        cap = max(0, cap - sum(n for t, n in live_counts.items() if t in {x.name for x in types}))
-    out = []
-    for t in types:
-        more = (
-            math.inf
-            if t.max_workers is None
-            else max(0, t.max_workers - live_counts.get(t.name, 0))
-        )
-        out.append((t, more))
-    return out, (math.inf if cap is None else cap)
+    live = sum(live_counts.get(t.name, 0) for t in types)
+    limit = lambda most, n: math.inf if most is None else max(0, most - n)  # noqa: E731
+    return [(t, limit(t.max_workers, live_counts.get(t.name, 0))) for t in types], limit(cap, live)
 
 
 def can_ever_fit(
@@ -196,37 +174,28 @@ def can_ever_fit(
 ) -> tuple[bool, str]:
     """Whether ``count`` bundles can be placed once the autoscaler has added what it may.
 
-    Args:
-        bundle: one worker's resources, e.g. ``{"CPU": 2, "GPU": 1}``.
-        count: how many workers.
-        live_nodes: total resources of each alive node (``ray.nodes()[i]["Resources"]``).
-        node_types: the autoscaler's worker node types (a :class:`ClusterShape` also
-            carries the cluster's node limit).
-        strategy: the placement group strategy.
-        live_counts: alive nodes per node type (unknown: none, so the estimate can only
-            err towards waiting).
-
-    Returns:
-        ``(True, how)`` or ``(False, why not)``; the reason is a sentence fragment that
-        names the live nodes and the node types.
+    ``live_nodes`` are the alive nodes' total resources; ``node_types`` the autoscaler's
+    worker node types (a :class:`ClusterShape` also carries the node limit);
+    ``live_counts`` the alive nodes per type (unknown: none, which errs towards waiting).
+    Returns ``(True, how)`` or ``(False, why not)``, naming live nodes and node types.
     """
     addable, cap = _addable(node_types, live_counts or {})
     live_fit = [bundles_per_node(n, bundle) for n in live_nodes]
     type_fit = [(t, _per_type(t, bundle), more) for t, more in addable]
-    if strategy == "STRICT_PACK":
-        best = max([*live_fit, *(p for _, p, more in type_fit if more and cap)], default=0)
-        ok = best >= count
-    elif strategy == "STRICT_SPREAD":
-        nodes = sum(1 for n in live_fit if n >= 1)
-        nodes += min(cap, sum(more for _, p, more in type_fit if p >= 1))
-        ok = nodes >= count
-    else:
-        ok = sum(live_fit) + _best_added(type_fit, cap) >= count
-    if not ok:
+    if not _enough(count, strategy, live_fit, type_fit, cap):
         return False, _why_not(bundle, count, strategy, live_fit, type_fit, cap)
-    if _fits_live(live_fit, count, strategy):
+    if _enough(count, strategy, live_fit, [], 0):
         return True, "fits the live nodes"
     return True, "fits once the autoscaler adds nodes"
+
+
+def _enough(count: int, strategy: str, live_fit: list, type_fit: list, cap: float) -> bool:
+    if strategy == "STRICT_PACK":
+        return max([*live_fit, *(p for _, p, more in type_fit if more and cap)], default=0) >= count
+    if strategy == "STRICT_SPREAD":
+        added = min(cap, sum(more for _, p, more in type_fit if p >= 1))
+        return sum(1 for n in live_fit if n >= 1) + added >= count
+    return sum(live_fit) + _best_added(type_fit, cap) >= count
 
 
 def _per_type(t: NodeType, bundle: Mapping[str, float]) -> float:
@@ -246,14 +215,6 @@ def _best_added(type_fit: list, cap: float) -> float:
         total += per * take
         left -= take
     return total
-
-
-def _fits_live(live_fit: list[int], count: int, strategy: str) -> bool:
-    if strategy == "STRICT_PACK":
-        return max(live_fit, default=0) >= count
-    if strategy == "STRICT_SPREAD":
-        return sum(1 for n in live_fit if n >= 1) >= count
-    return sum(live_fit) >= count
 
 
 def _why_not(bundle, count, strategy, live_fit, type_fit, cap) -> str:
@@ -303,13 +264,73 @@ def pending_from_status(status: Mapping[str, Any] | None) -> dict[str, int]:
 def live_counts_from_status(status: Mapping[str, Any] | None) -> dict[str, int]:
     """Alive nodes per node type, from the autoscaler's status JSON."""
     report = (status or {}).get("autoscaler_report") or {}
-    return {k: int(v) for k, v in (report.get("active_nodes") or {}).items()}
+    return dict(report.get("active_nodes") or {})
 
 
 def waiting_message(pending: Mapping[str, int], waited_s: float) -> str:
     """``waiting for 2 x cpu_node from the autoscaler, 40 s so far``."""
     what = " and ".join(f"{n} x {t}" for t, n in sorted(pending.items()) if n > 0)
     return f"waiting for {what or 'nodes'} from the autoscaler, {waited_s:.0f} s so far"
+
+
+# ------------------------------------------------------------------ the driver's calls
+def start_timeout(configured_s: float | None, shape: ClusterShape | None) -> float:
+    """The user's start timeout, else minutes when an autoscaler may add nodes."""
+    if configured_s is not None:
+        return configured_s
+    return START_TIMEOUT_S if shape is None else AUTOSCALER_START_TIMEOUT_S
+
+
+def judge_request(
+    bundle: Mapping[str, float], count: int, strategy: str, requested: str
+) -> ClusterShape | None:
+    """Driver: the cluster's shape when some node type can hold the request.
+
+    Returns None when no autoscaler's node types are visible (judge the live nodes).
+
+    Raises:
+        InsufficientResourcesError: at once, when no node type ever can.
+    """
+    shape = read_cluster_shape()
+    if shape is None:
+        return None
+    counts = live_counts_from_status(read_autoscaler_status())
+    ok, reason = can_ever_fit(bundle, count, live_nodes(), shape, strategy, counts)
+    if not ok:
+        raise InsufficientResourcesError(
+            f"Requested {requested}, but {reason} (node types from {shape.source}). "
+            + _HINTS[bool(bundle.get("GPU"))]
+        )
+    return shape
+
+
+def wait_for_nodes(
+    ready: Any,
+    timeout_s: float,
+    bundle: Mapping[str, float],
+    count: int,
+    shape: ClusterShape,
+    log: Any = print,
+    every_s: float = PROGRESS_EVERY_S,
+) -> bool:
+    """Driver: True once ``ready`` (a placement group's) is, False after ``timeout_s``;
+    logs the autoscaler's progress meanwhile."""
+    import ray
+
+    start = time.monotonic()
+    report_at = start + 1.0  # the first line once it is clear that nodes must start
+    while (left := timeout_s - (time.monotonic() - start)) > 0:
+        wait_s = min(left, max(0.05, report_at - time.monotonic()))
+        if ray.wait([ready], timeout=wait_s)[0]:
+            return True
+        if time.monotonic() >= report_at:
+            status = read_autoscaler_status()
+            plan = pending_from_status(status) or nodes_to_add(
+                bundle, count, live_nodes(), shape, live_counts_from_status(status)
+            )
+            log(waiting_message(plan, time.monotonic() - start))
+            report_at += every_s
+    return False
 
 
 # ------------------------------------------------------------------ Ray readers
@@ -331,28 +352,22 @@ def live_nodes() -> list[dict[str, float]]:
 def read_cluster_shape(config_path: str | os.PathLike | None = None) -> ClusterShape | None:
     """What the connected cluster can become; None when no source is visible from here.
 
-    Sources, first found wins: ``config_path`` (or ``$POLYTRAIN_CLUSTER_CONFIG``), the
-    GCS cluster config, the autoscaling config file of the head's monitor process.
+    Sources, first found wins: ``config_path`` (or ``$POLYTRAIN_CLUSTER_CONFIG``; a
+    launcher YAML or a RayCluster manifest), the GCS cluster config, the autoscaling
+    config file of the head's monitor process.
     """
-    path = config_path or os.environ.get(CLUSTER_CONFIG_ENV)
-    if path:
-        return shape_from_config(load_config_file(path), str(path))
     import ray._private.state
-
-    gcs_config = ray._private.state.state.get_cluster_config()
-    if gcs_config is not None and gcs_config.node_group_configs:
-        return shape_from_gcs_config(gcs_config)
-    monitor_file = _monitor_config_file(read_autoscaler_status())
-    if monitor_file is not None:
-        return shape_from_config(load_config_file(monitor_file), str(monitor_file))
-    return None
-
-
-def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """A cluster file: YAML (JSON is YAML too)."""
     import yaml
 
-    return yaml.safe_load(Path(path).expanduser().read_text()) or {}
+    path = config_path or os.environ.get(CLUSTER_CONFIG_ENV)
+    if not path:
+        gcs_config = ray._private.state.state.get_cluster_config()
+        if gcs_config is not None and gcs_config.node_group_configs:
+            return shape_from_gcs_config(gcs_config)
+        path = _monitor_config_file(read_autoscaler_status())
+    if path is None:
+        return None
+    return shape_from_config(yaml.safe_load(Path(path).expanduser().read_text()) or {}, str(path))
 
 
 def _monitor_config_file(status: Mapping[str, Any] | None) -> Path | None:

@@ -37,11 +37,11 @@ def make_group(
     from polytrain.launchers.connect import ensure_ray
     from polytrain.launchers.worker_group import RayWorkerGroup
 
-    ensure_ray(scaling.address)
+    ensure_ray(scaling.address, timeout_s=scaling.start_timeout_s)
     return RayWorkerGroup(
         num_workers=scaling.num_workers if num_workers is None else num_workers,
         num_cpus_per_worker=scaling.num_cpus_per_worker,
-        num_gpus_per_worker=1 if scaling.use_gpu else 0,
+        num_gpus_per_worker=scaling.gpus_per_worker,
         resources_per_worker=scaling.resources_per_worker,
         placement_strategy=scaling.placement_strategy,
         start_timeout_s=scaling.start_timeout_s,

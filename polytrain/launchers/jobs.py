@@ -3,19 +3,38 @@
 The working directory is uploaded with the job (Ray's ``working_dir`` runtime
 env), so the cluster runs the code on the submitting machine; the job's log is
 streamed back while it runs.
+
+A cluster with Ray's token authentication (``RAY_AUTH_MODE=token`` on the head)
+refuses Jobs API requests without its token. The token reaches the client from
+the submitting process's environment, never from the command line (where ``ps``
+would show it): ``RAY_AUTH_TOKEN`` (the token) or ``RAY_AUTH_TOKEN_PATH`` (a file
+holding it), sent as ``Authorization: Bearer <token>`` on every request whether or
+not ``RAY_AUTH_MODE`` is set locally. With neither, Ray's own rule applies (its
+client sends ``~/.ray/auth_token`` when ``RAY_AUTH_MODE=token``). The token is never
+put into the job's environment.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import shlex
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
+from urllib.parse import urlparse
 
 from polytrain.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: The environment variables the Jobs API token is read from, in this order.
+TOKEN_ENV = "RAY_AUTH_TOKEN"
+TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 
 #: Never uploaded with the working directory: environments, VCS data, run outputs.
 DEFAULT_EXCLUDES = (
@@ -69,11 +88,78 @@ class JobOutcome:
         return "\n".join(self.logs.rstrip().splitlines()[-lines:])
 
 
-def _client(address: str) -> Any:
-    from ray.job_submission import JobSubmissionClient
+def auth_token(token: str | None = None) -> str | None:
+    """The Jobs API token: ``token``, else ``$RAY_AUTH_TOKEN``, else the file ``$RAY_AUTH_TOKEN_PATH``.
+
+    Raises:
+        ConfigError: ``RAY_AUTH_TOKEN_PATH`` names a file that cannot be read or is empty.
+    """
+    if token and token.strip():
+        return token.strip()
+    if os.environ.get(TOKEN_ENV, "").strip():
+        return os.environ[TOKEN_ENV].strip()
+    path = os.environ.get(TOKEN_PATH_ENV)
+    if not path:
+        return None
+    try:
+        text = Path(path).expanduser().read_text().strip()
+    except OSError as exc:
+        raise ConfigError(
+            f"{TOKEN_PATH_ENV}={path!r} cannot be read ({exc}). Point it at the file holding "
+            f"the cluster's token (`ray get-auth-token` on the head node prints it), or unset it."
+        ) from None
+    if not text:
+        raise ConfigError(f"{TOKEN_PATH_ENV}={path!r} is empty; it must hold the cluster's token.")
+    return text
+
+
+def auth_headers(token: str | None = None) -> dict[str, str]:
+    """HTTP headers carrying :func:`auth_token` (empty when there is no token)."""
+    value = auth_token(token)
+    return {"Authorization": f"Bearer {value}"} if value else {}
+
+
+def _is_plaintext_remote(address: str) -> bool:
+    parsed = urlparse(address if "://" in address else f"http://{address}")
+    host = (parsed.hostname or "").lower()
+    return parsed.scheme == "http" and host not in ("127.0.0.1", "localhost", "::1")
+
+
+def _auth_message(address: str, exc: BaseException) -> str:
+    return (
+        f"The Ray Jobs API at {address} refused the request: {str(exc).splitlines()[0]} "
+        f"The cluster uses Ray's token authentication: export {TOKEN_ENV}=<token> (print it "
+        f"with `ray get-auth-token` on the head node, e.g. `ray exec cluster.yaml "
+        f"'ray get-auth-token'`) or {TOKEN_PATH_ENV}=<file holding it>, and submit again."
+    )
+
+
+@contextlib.contextmanager
+def _auth_errors(address: str) -> Iterator[None]:
+    """Turn Ray's authentication refusal into a ConnectionError that says where the token goes."""
+    from ray.exceptions import AuthenticationError
 
     try:
-        return JobSubmissionClient(address)
+        yield
+    except AuthenticationError as exc:
+        raise ConnectionError(_auth_message(address, exc)) from None
+
+
+def _client(address: str, token: str | None = None) -> Any:
+    from ray.exceptions import AuthenticationError
+    from ray.job_submission import JobSubmissionClient
+
+    headers = auth_headers(token)
+    if headers and _is_plaintext_remote(address):
+        logger.warning(
+            "Sending the cluster's token to %s over plain HTTP. Forward the dashboard "
+            "(`ray dashboard cluster.yaml`) and use http://127.0.0.1:8265, or use https.",
+            address,
+        )
+    try:
+        return JobSubmissionClient(address, headers=headers or None)
+    except AuthenticationError as exc:
+        raise ConnectionError(_auth_message(address, exc)) from None
     except Exception as exc:  # noqa: BLE001 - connection errors of several kinds
         raise ConnectionError(
             f"Could not reach the Ray Jobs API at {address!r} ({type(exc).__name__}: {exc}). "
@@ -89,6 +175,7 @@ def submit_job(
     excludes: Sequence[str] = (),
     env_vars: dict[str, str] | None = None,
     submission_id: str | None = None,
+    token: str | None = None,
 ) -> str:
     """Submit ``entrypoint`` to the cluster; returns the job id.
 
@@ -99,6 +186,11 @@ def submit_job(
         excludes: more gitignore-style patterns to leave out of the upload.
         env_vars: environment of the job's driver and workers.
         submission_id: a job id of your own choosing.
+        token: the cluster's auth token (default: see :func:`auth_token`).
+
+    Raises:
+        ConnectionError: the Jobs API cannot be reached, or refused the token (or its
+            absence), saying where the token goes.
     """
     command = entrypoint if isinstance(entrypoint, str) else shlex.join(entrypoint)
     if not command.strip():
@@ -112,9 +204,11 @@ def submit_job(
         runtime_env["excludes"] = [*DEFAULT_EXCLUDES, *excludes]
     if env_vars:
         runtime_env["env_vars"] = dict(env_vars)
-    return _client(address).submit_job(
-        entrypoint=command, runtime_env=runtime_env or None, submission_id=submission_id
-    )
+    client = _client(address, token)
+    with _auth_errors(address):
+        return client.submit_job(
+            entrypoint=command, runtime_env=runtime_env or None, submission_id=submission_id
+        )
 
 
 def follow_job(
@@ -124,18 +218,34 @@ def follow_job(
     poll_s: float = 1.0,
     timeout_s: float | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    token: str | None = None,
 ) -> JobOutcome:
     """Stream the job's log to ``out`` until it ends; Ctrl-C stops the job.
+
+    ``token``: the cluster's auth token (default: see :func:`auth_token`).
 
     Raises:
         TimeoutError: the job did not end within ``timeout_s`` (it is stopped).
     """
+    out = out or sys.stdout
+    client = _client(address, token)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    with _auth_errors(address):
+        return _stream(client, job_id, out, poll_s, deadline, timeout_s, sleep)
+
+
+def _stream(
+    client: Any,
+    job_id: str,
+    out: TextIO,
+    poll_s: float,
+    deadline: float | None,
+    timeout_s: float | None,
+    sleep: Callable[[float], None],
+) -> JobOutcome:
     from ray.job_submission import JobStatus
 
-    out = out or sys.stdout
-    client = _client(address)
     printed = 0
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while True:
             status = client.get_job_status(job_id)
@@ -175,8 +285,12 @@ def run_job(
     wait: bool = True,
     out: TextIO | None = None,
     timeout_s: float | None = None,
+    token: str | None = None,
 ) -> JobOutcome:
     """Submit a job and (by default) follow it to the end.
+
+    ``token`` is the cluster's auth token; by default it comes from ``RAY_AUTH_TOKEN``
+    or ``RAY_AUTH_TOKEN_PATH`` (see :func:`auth_token`).
 
     Example:
         >>> outcome = run_job("http://127.0.0.1:8265",
@@ -186,7 +300,7 @@ def run_job(
     Returns:
         The :class:`JobOutcome`; its ``exit_code`` is 0 only when the job SUCCEEDED.
     """
-    job_id = submit_job(address, entrypoint, working_dir, excludes, env_vars)
+    job_id = submit_job(address, entrypoint, working_dir, excludes, env_vars, token=token)
     if not wait:
         return JobOutcome(job_id=job_id, status="PENDING")
-    return follow_job(address, job_id, out=out, timeout_s=timeout_s)
+    return follow_job(address, job_id, out=out, timeout_s=timeout_s, token=token)

@@ -7,6 +7,7 @@ It lives with the launchers (which build worker groups from it) so that
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,9 +56,15 @@ class ScalingConfig:
     Attributes:
         num_workers: worker actors to start; 0 runs one worker in the driver process
             (local mode, no Ray: for debugging).
-        use_gpu: reserve one GPU per worker and train on it (nccl for torch backends).
+        use_gpu: reserve GPUs for every worker (one unless ``num_gpus_per_worker`` says
+            otherwise) and train on them (nccl for torch backends).
         num_cpus_per_worker: CPUs reserved per worker; also the worker's torch threads.
-        resources_per_worker: extra custom Ray resources per worker.
+        resources_per_worker: Ray resources per worker. Its ``"CPU"`` and ``"GPU"``
+            entries are folded into ``num_cpus_per_worker`` and ``num_gpus_per_worker``
+            (as ray_lightning did): ``{"CPU": 3}`` means 3 CPUs and 3 threads,
+            ``{"GPU": 1}`` turns ``use_gpu`` on, ``{"GPU": 0}`` keeps it off. Only the
+            custom resources stay in this field. An entry that disagrees with an
+            option set to something else than its default is an error.
         placement_strategy: "PACK" (default: as few nodes as possible), "SPREAD",
             "STRICT_PACK" or "STRICT_SPREAD".
         start_timeout_s: fail if the workers cannot be placed within this many seconds.
@@ -67,6 +74,11 @@ class ScalingConfig:
             the cluster can hold, down to ``min_workers`` (the global batch stays the
             same, so each worker's batch grows), and grow back to ``num_workers`` at an
             epoch boundary once resources return. None: always ``num_workers``.
+        num_gpus_per_worker: GPUs reserved per worker: fractional (0.5: two workers
+            share a GPU; use gloo then, nccl cannot share one) or several (2). More
+            than 0 implies ``use_gpu``. None (default): 1 with ``use_gpu``, else 0. A
+            worker with several GPUs computes on the first one it is given (its
+            ``torch.device("cuda", i)``); the others are visible to it for your code.
     """
 
     num_workers: int = 1
@@ -77,6 +89,7 @@ class ScalingConfig:
     start_timeout_s: float = 30.0
     address: str | None = None
     min_workers: int | None = None
+    num_gpus_per_worker: float | None = None
 
     def __post_init__(self) -> None:
         check_int("num_workers", self.num_workers, 0)
@@ -90,7 +103,9 @@ class ScalingConfig:
         if not isinstance(self.use_gpu, bool):
             raise ConfigTypeError(f"use_gpu must be True or False; got {self.use_gpu!r}.")
         check_number("num_cpus_per_worker", self.num_cpus_per_worker, 0)
+        check_number("num_gpus_per_worker", self.num_gpus_per_worker, 0, allow_none=True)
         check_number("start_timeout_s", self.start_timeout_s, 0)
+        self._fold_resources()
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ConfigError(
                 f"placement_strategy={self.placement_strategy!r} is not supported. Must be one "
@@ -107,10 +122,74 @@ class ScalingConfig:
         """Number of training processes (1 in local mode)."""
         return max(self.num_workers, 1)
 
+    @property
+    def gpus_per_worker(self) -> float:
+        """GPUs one worker reserves: ``num_gpus_per_worker``, else 1 with ``use_gpu``, else 0."""
+        if self.num_gpus_per_worker is not None:
+            return float(self.num_gpus_per_worker)
+        return 1.0 if self.use_gpu else 0.0
+
     def worker_bundle(self) -> dict[str, float]:
         """The resources one worker reserves (its placement-group bundle)."""
         bundle = {"CPU": float(self.num_cpus_per_worker)}
-        if self.use_gpu:
-            bundle["GPU"] = 1.0
+        if self.gpus_per_worker > 0:
+            bundle["GPU"] = self.gpus_per_worker
         bundle.update(self.resources_per_worker or {})
         return bundle
+
+    def _fold_resources(self) -> None:
+        """Move ``resources_per_worker``'s CPU/GPU entries into the typed fields; settle use_gpu."""
+        resources = _check_resources(self.resources_per_worker)
+        cpus = resources.pop("CPU", None)
+        if cpus is not None:
+            check_number("resources_per_worker['CPU']", cpus, 0)
+            # 1 is the default: a value left there is not a choice that could disagree.
+            if self.num_cpus_per_worker not in (1, cpus):
+                raise ConfigError(
+                    f"resources_per_worker={{'CPU': {cpus!r}}} and num_cpus_per_worker="
+                    f"{self.num_cpus_per_worker!r} disagree: set the CPUs per worker in one place."
+                )
+            self.num_cpus_per_worker = cpus
+        gpus = resources.pop("GPU", None)
+        if gpus is not None:
+            check_number("resources_per_worker['GPU']", gpus, 0)
+            if self.num_gpus_per_worker not in (None, gpus):
+                raise ConfigError(
+                    f"resources_per_worker={{'GPU': {gpus!r}}} and num_gpus_per_worker="
+                    f"{self.num_gpus_per_worker!r} disagree: set the GPUs per worker in one place."
+                )
+            self.num_gpus_per_worker = gpus
+        self.resources_per_worker = resources or None
+        self._settle_use_gpu()
+
+    def _settle_use_gpu(self) -> None:
+        gpus = self.num_gpus_per_worker
+        if gpus is None:
+            return
+        if gpus > 0:
+            self.use_gpu = True  # False is the default: GPUs reserved per worker mean GPU use
+            if gpus < 1 and self.num_workers > 1:
+                warnings.warn(
+                    f"num_gpus_per_worker={gpus:g}: workers share GPUs. NCCL cannot run two "
+                    f"processes on one GPU; set backend_config={{'dist_backend': 'gloo'}} "
+                    f"(ddp) or give each worker a whole GPU.",
+                    stacklevel=5,
+                )
+        elif self.use_gpu:
+            raise ConfigError(
+                "use_gpu=True but num_gpus_per_worker (or resources_per_worker['GPU']) is 0: "
+                "a worker without a GPU cannot train on one. Drop one of the two settings."
+            )
+
+
+def _check_resources(resources: Any) -> dict[str, float]:
+    if resources is None:
+        return {}
+    if not isinstance(resources, dict) or not all(isinstance(k, str) for k in resources):
+        raise ConfigTypeError(
+            f"resources_per_worker must be a dict of Ray resource names to amounts, e.g. "
+            f"{{'CPU': 2, 'GPU': 1, 'custom': 1}}; got {resources!r}."
+        )
+    for name, amount in resources.items():
+        check_number(f"resources_per_worker[{name!r}]", amount, 0)
+    return dict(resources)

@@ -5,6 +5,10 @@
 >>> trainer = pl.Trainer(max_epochs=2, strategy=RayStrategy(num_workers=2, backend="horovod"))
 >>> trainer.fit(model)
 
+ray_lightning's names work too: ``HorovodRayStrategy``, ``TuneReportCheckpointCallback``,
+``get_tune_resources``; ``RayStrategy`` takes its ``init_hook``, ``resources_per_worker``
+and DDP keyword arguments.
+
 Importing this package imports pytorch_lightning; ``import polytrain`` does not.
 """
 
@@ -24,16 +28,22 @@ from polytrain.lightning.legacy import (  # noqa: E402
     RayPlugin,
     RayShardedPlugin,
 )
-from polytrain.lightning.strategy import (  # noqa: E402
+from polytrain.lightning.strategy import RayStrategy  # noqa: E402
+from polytrain.lightning.tune import (  # noqa: E402
+    TuneReportCallback,
+    TuneReportCheckpointCallback,
+    get_tune_resources,
+)
+from polytrain.lightning.variants import (  # noqa: E402
+    HorovodRayStrategy,
     RayDeepSpeedStrategy,
     RayHorovodStrategy,
     RayShardedStrategy,
-    RayStrategy,
 )
-from polytrain.lightning.tune import TuneReportCallback  # noqa: E402
 
 __all__ = [
     "HorovodRayPlugin",
+    "HorovodRayStrategy",
     "RayDeepSpeedPlugin",
     "RayDeepSpeedStrategy",
     "RayHorovodStrategy",
@@ -43,5 +53,7 @@ __all__ = [
     "RayShardedStrategy",
     "RayStrategy",
     "TuneReportCallback",
+    "TuneReportCheckpointCallback",
     "WorkerGroupEnvironment",
+    "get_tune_resources",
 ]

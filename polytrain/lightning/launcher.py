@@ -19,7 +19,7 @@ from polytrain.backends.rendezvous import Rendezvous
 from polytrain.backends.torch_distributed import start_process_group
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.worker import WORKER_STATE
-from polytrain.lightning.tune import TUNE_QUEUE_KEY, TuneReportCallback, report_to_tune
+from polytrain.lightning.tune import TUNE_QUEUE_KEY, TuneReportCallback, deliver_report
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,8 @@ class RayLauncher(_Launcher):
         self._group = group
         tune_queue = None
         try:
+            if strategy.init_hook is not None:
+                group.execute(strategy.init_hook)  # before the workers connect
             tune_queue = _make_tune_queue(trainer)
             ctx = strategy._context_template()
             rendezvous.on_start(group, ctx)
@@ -147,10 +149,13 @@ def _run_on_group(
         )
     ]
     poll = (lambda: _forward_tune_reports(tune_queue)) if tune_queue is not None else None
-    outputs = group.get(refs, on_poll=poll, poll_interval_s=0.2)
-    if tune_queue is not None:
-        _forward_tune_reports(tune_queue)
-    return outputs
+    try:
+        return group.get(refs, on_poll=poll, poll_interval_s=0.2)
+    finally:
+        # Also when a worker failed: what rank 0 reported before (the checkpoint a
+        # restored trial resumes from) must reach Tune before the error does.
+        if tune_queue is not None:
+            _forward_tune_reports(tune_queue)
 
 
 def _absolutize_paths(trainer: Any) -> None:
@@ -191,7 +196,7 @@ def _make_tune_queue(trainer: Any) -> Any:
 
 def _forward_tune_reports(queue: Any) -> None:
     while not queue.empty():
-        report_to_tune(queue.get_nowait())
+        deliver_report(queue.get_nowait())
 
 
 def _to_cpu(data: Any) -> Any:
@@ -211,8 +216,11 @@ def _run_on_worker(
         os.chdir(cwd)  # relative paths in the user's code mean what they mean on the driver
     except OSError:
         pass  # another node without that directory: absolute paths were shipped
+    # Set or cleared on every call: a reused (warm) actor may hold an earlier run's queue.
     if tune_queue is not None:
         WORKER_STATE[TUNE_QUEUE_KEY] = tune_queue
+    else:
+        WORKER_STATE.pop(TUNE_QUEUE_KEY, None)
     strategy = trainer.strategy
     strategy._set_worker_context(rank_info, device_index)
     if isinstance(function, str):

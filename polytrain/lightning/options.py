@@ -7,8 +7,12 @@ trainers, with the same flat shortcuts (``num_workers=2``) merged the same way.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+from collections.abc import Callable
 from typing import Any
 
+from polytrain.backends.base import Backend
 from polytrain.errors import ConfigError, ConfigTypeError
 from polytrain.launchers.scaling import ScalingConfig
 from polytrain.trainer_api.config import merge_flat_options
@@ -40,7 +44,92 @@ def resolve_scaling(
             f"{strategy_name} does not resize its worker group; got scaling_config with "
             f"min_workers={scaling.min_workers!r}. Leave min_workers at None."
         )
+    given = {k: v for k, v in shortcuts.items() if v is not None}
+    if isinstance(scaling_config, dict):
+        given.update(scaling_config)
+    _check_folded_resources(scaling, given)
     return scaling
+
+
+def _check_folded_resources(scaling: ScalingConfig, given: dict[str, Any]) -> None:
+    """An option given explicitly that resources_per_worker's CPU/GPU entries overrode: an error.
+
+    ScalingConfig alone cannot tell ``use_gpu=False`` from the default; here the
+    options given are known.
+    """
+    resources = given.get("resources_per_worker") or {}
+    source = (
+        f"resources_per_worker={resources!r}"
+        if {"CPU", "GPU"} & set(resources)
+        else f"num_gpus_per_worker={given.get('num_gpus_per_worker')!r}"
+    )
+    for name in ("num_cpus_per_worker", "use_gpu", "num_gpus_per_worker"):
+        if name in given and given[name] != getattr(scaling, name):
+            raise ConfigError(
+                f"{name}={given[name]!r} disagrees with {source}, which sets {name}="
+                f"{getattr(scaling, name)!r}: set it in one place."
+            )
+
+
+def check_init_hook(strategy_name: str, init_hook: Any) -> Callable[[], None] | None:
+    """Driver: ``init_hook`` if it is a callable or None.
+
+    Raises:
+        ConfigTypeError: anything else.
+    """
+    if init_hook is not None and not callable(init_hook):
+        raise ConfigTypeError(
+            f"{strategy_name}(init_hook=...) must be a function that takes no arguments (run "
+            f"on every worker before training) or None; got {type(init_hook).__name__}: "
+            f"{init_hook!r}."
+        )
+    return init_hook
+
+
+def with_ddp_kwargs(
+    strategy_name: str, own: list[str], backend: Backend, ddp_kwargs: dict[str, Any]
+) -> Backend:
+    """Driver: ``backend`` with ``ddp_kwargs`` (the strategy's extra keywords) added to its config.
+
+    ``own`` lists the strategy's own arguments, for the messages.
+
+    Raises:
+        ConfigTypeError: the backend does not wrap models in DDP (with its own
+            arguments listed, since a misspelt argument lands here too), or a keyword
+            that DDP does not take.
+        ConfigError: a keyword also given in ``backend_config``.
+    """
+    if not ddp_kwargs:
+        return backend
+    from polytrain.backends.ddp import check_ddp_kwargs, ddp_parameters
+
+    for key in ddp_kwargs:
+        close = difflib.get_close_matches(key, own, n=1)
+        if close and key not in ddp_parameters():
+            raise ConfigTypeError(
+                f"{strategy_name} got an unexpected keyword argument {key!r} (did you mean "
+                f"{close[0]!r}?). Its own arguments: {own}; other keywords go to "
+                f"DistributedDataParallel."
+            )
+    config = backend.config
+    if "ddp_kwargs" not in {f.name for f in dataclasses.fields(config)}:
+        raise ConfigTypeError(
+            f"{strategy_name} got unexpected keyword argument(s) {sorted(ddp_kwargs)}. "
+            f"Keywords that are not its own go to DistributedDataParallel, which backend "
+            f"{backend.name!r} does not use (backend='ddp' does). Its own arguments: {own}."
+        )
+    try:
+        check_ddp_kwargs(ddp_kwargs, f"{strategy_name}(**ddp_kwargs)")
+    except ConfigTypeError as exc:
+        raise ConfigTypeError(f"{exc} {strategy_name}'s own arguments: {own}.") from None
+    twice = sorted(set(ddp_kwargs) & set(config.ddp_kwargs))
+    if twice:
+        raise ConfigError(
+            f"DDP keyword argument(s) {twice} given both to {strategy_name}(...) and in "
+            f"backend_config['ddp_kwargs']: set each in one place."
+        )
+    merged = {**config.ddp_kwargs, **ddp_kwargs}
+    return type(backend)(dataclasses.replace(config, ddp_kwargs=merged))
 
 
 def _check_worker_options(

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Generator
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
@@ -27,14 +28,16 @@ from torch import Tensor
 
 from polytrain.backends.base import Backend
 from polytrain.backends.context import WorkerContext
+from polytrain.backends.ddp import ddp_options
 from polytrain.backends.registry import get_backend
 from polytrain.launchers.scaling import ScalingConfig
 from polytrain.lightning.collectives import TorchCollectives
 from polytrain.lightning.environment import WorkerGroupEnvironment
 from polytrain.lightning.options import (
-    reject_backend,
+    check_init_hook,
     resolve_scaling,
     scaling_field,
+    with_ddp_kwargs,
 )
 from polytrain.lightning.worker_side import WorkerSide
 
@@ -63,7 +66,8 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
             "auto" or "cpu": the driver needs no GPU, the workers pick theirs.
         backend_config: the backend's typed config, or a dict of its fields.
         num_cpus_per_worker: CPUs reserved per worker; also its torch threads (default 1).
-        resources_per_worker: extra custom Ray resources per worker.
+        resources_per_worker: Ray resources per worker; ``"CPU"`` and ``"GPU"`` entries
+            set ``num_cpus_per_worker`` and ``num_gpus_per_worker`` (as in ray_lightning).
         placement_strategy: "PACK" (default), "SPREAD", "STRICT_PACK" or "STRICT_SPREAD".
         address: the Ray cluster to join; None uses a running instance or starts one.
         start_timeout_s: fail if the workers cannot be placed within this time (default 30).
@@ -74,11 +78,22 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
             a :class:`~polytrain.launchers.scaling.ScalingConfig` or a dict of its
             fields (``min_workers`` must stay None). ``num_workers``, ``use_gpu``,
             ``num_cpus_per_worker``, ``resources_per_worker``, ``placement_strategy``,
-            ``address`` and ``start_timeout_s`` are shortcuts for its fields: give
-            each option in one place.
+            ``address``, ``start_timeout_s`` and ``num_gpus_per_worker`` are shortcuts
+            for its fields: give each option in one place.
+        num_gpus_per_worker: GPUs per worker: fractional or several (> 0 implies
+            ``use_gpu``; a worker computes on the first GPU it is given).
+        init_hook: a function (no arguments) run on every worker when the group has
+            started, before the workers connect and before training: environment
+            variables, logging, seeds. It must be picklable (a lambda or closure works).
+        **ddp_kwargs: keyword arguments of ``DistributedDataParallel`` (e.g.
+            ``find_unused_parameters=True, bucket_cap_mb=50``), as ray_lightning took
+            them; they go to the ``ddp`` backend's ``ddp_kwargs`` (see
+            :class:`~polytrain.backends.ddp.DDPConfig`), checked against DDP's signature.
 
     Raises:
         polytrain.errors.ConfigError: an option that is not allowed (a ``ValueError``).
+        polytrain.errors.ConfigTypeError: an unknown keyword argument, or a DDP keyword
+            argument with a backend that does not use DDP (a ``TypeError``).
     """
 
     def __init__(
@@ -97,9 +112,13 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
         precision_plugin: Any = None,
         *,
         scaling_config: ScalingConfig | dict | None = None,
+        num_gpus_per_worker: float | None = None,
+        init_hook: Callable[[], None] | None = None,
+        **ddp_kwargs: Any,
     ) -> None:
+        name = type(self).__name__
         self.scaling = resolve_scaling(
-            type(self).__name__,
+            name,
             scaling_config,
             num_workers=num_workers,
             use_gpu=use_gpu,
@@ -108,8 +127,13 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
             placement_strategy=placement_strategy,
             address=address,
             start_timeout_s=start_timeout_s,
+            num_gpus_per_worker=num_gpus_per_worker,
         )
-        self._backend = get_backend(backend, backend_config, framework="torch")
+        self.init_hook = check_init_hook(name, init_hook)
+        backend_obj = get_backend(backend, backend_config, framework="torch")
+        # Through ddp_options, whose signature shows LightningCLI the DDP arguments.
+        options = ddp_options(**ddp_kwargs)
+        self._backend = with_ddp_kwargs(name, _own_arguments(), backend_obj, options)
         self._backend.validate_settings(
             num_workers=self.scaling.num_workers, use_gpu=self.scaling.use_gpu, use_fp16=False
         )
@@ -134,10 +158,11 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
     placement_strategy = scaling_field("placement_strategy", "How the workers are placed.")
     address = scaling_field("address", "The Ray cluster to join (None: a local one).")
     start_timeout_s = scaling_field("start_timeout_s", "How long placing the workers may take.")
+    num_gpus_per_worker = scaling_field("gpus_per_worker", "GPUs reserved per worker.")
 
     @property
     def resources_per_worker(self) -> dict[str, float]:
-        """Extra custom Ray resources per worker."""
+        """Custom Ray resources per worker (CPU and GPU entries are folded into the fields)."""
         return dict(self.scaling.resources_per_worker or {})
 
     @property
@@ -356,45 +381,6 @@ def _unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-class _FixedBackendStrategy(RayStrategy):
-    """A :class:`RayStrategy` whose backend the subclass fixes (``backend=`` is refused)."""
-
-    fixed_backend: ClassVar[str] = ""
-
-    def __init__(
-        self, num_workers: int | None = None, use_gpu: bool | None = None, **kwargs: Any
-    ) -> None:
-        reject_backend(type(self).__name__, kwargs)
-        super().__init__(
-            backend=self.fixed_backend, num_workers=num_workers, use_gpu=use_gpu, **kwargs
-        )
-
-
-class RayHorovodStrategy(_FixedBackendStrategy):
-    """:class:`RayStrategy` with ``backend="horovod"`` (Horovod ring-allreduce over gloo).
-
-    Lightning 2.x dropped its own Horovod strategy; this one runs Horovod through
-    polytrain's backend. Takes the arguments of :class:`RayStrategy` except ``backend``.
-    """
-
-    fixed_backend = "horovod"
-
-
-class RayShardedStrategy(_FixedBackendStrategy):
-    """:class:`RayStrategy` with ``backend="fairscale"`` (optimizer-state sharding).
-
-    Lightning 2.x dropped its fairscale strategies; this one runs fairscale's OSS +
-    ShardedDataParallel through polytrain's backend. Takes the arguments of
-    :class:`RayStrategy` except ``backend``.
-    """
-
-    fixed_backend = "fairscale"
-
-
-class RayDeepSpeedStrategy(_FixedBackendStrategy):
-    """:class:`RayStrategy` with ``backend="deepspeed"`` (DeepSpeed ZeRO; ``backend_config`` picks the stage).
-
-    Takes the arguments of :class:`RayStrategy` except ``backend``.
-    """
-
-    fixed_backend = "deepspeed"
+def _own_arguments() -> list[str]:
+    skip = ("self", "ddp_kwargs")
+    return [p for p in inspect.signature(RayStrategy.__init__).parameters if p not in skip]

@@ -153,3 +153,85 @@ def test_scaling_config_like_the_trainers():
         RayStrategy(num_cpus_per_worker=0)
     with pytest.raises(ConfigTypeError, match="fixes the backend"):
         RayShardedStrategy(backend="ddp")
+
+
+# ------------------------------------------------------------ ray_lightning's options
+class _Probe(DigitsClassifier):
+    """Logs what the worker sees (threads, Ray CPUs, the init_hook's variable, the DDP wrapper).
+
+    Its ``unused`` layer gets no gradient: DDP needs find_unused_parameters=True for it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.05)
+        self.unused = torch.nn.Linear(4, 4)
+
+    def training_step(self, batch, batch_idx):
+        import os
+
+        import ray
+
+        wrapper = self.trainer.strategy.model
+        probes = {
+            "threads": torch.get_num_threads(),
+            "ray_cpus": ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0),
+            "hook_var": float(os.environ.get("POLYTRAIN_TEST_HOOK", "-1")),
+            "find_unused": float(getattr(wrapper, "find_unused_parameters", -1)),
+            "bucket_bytes": float(getattr(wrapper, "bucket_bytes_cap", -1)),
+        }
+        for name, value in probes.items():
+            self.log(name, float(value), reduce_fx="max", sync_dist=True)
+        return super().training_step(batch, batch_idx)
+
+
+def _fit_probe(strategy: RayStrategy, root) -> dict[str, float]:
+    trainer = _trainer(strategy, root, max_epochs=1, limit_train_batches=3, limit_val_batches=0)
+    trainer.fit(_Probe(), datamodule=DigitsDataModule())
+    return {k: v.item() for k, v in trainer.callback_metrics.items()}
+
+
+def test_ddp_kwargs_reach_the_wrapped_model(tmp_path, ray_start_4_cpus, no_leftover_actors):
+    strategy = RayStrategy(num_workers=2, find_unused_parameters=True, bucket_cap_mb=2)
+    metrics = _fit_probe(strategy, tmp_path)
+    assert metrics["find_unused"] == 1.0
+    assert metrics["bucket_bytes"] == 2 * 1024 * 1024
+
+
+def test_cpu_resources_and_init_hook_reach_the_workers(
+    tmp_path, ray_start_4_cpus, no_leftover_actors
+):
+    def init_hook():
+        import os
+
+        os.environ["POLYTRAIN_TEST_HOOK"] = "7"
+
+    strategy = RayStrategy(
+        num_workers=2,
+        resources_per_worker={"CPU": 2},
+        init_hook=init_hook,
+        find_unused_parameters=True,
+    )
+    assert strategy.num_cpus_per_worker == 2
+    metrics = _fit_probe(strategy, tmp_path)
+    assert metrics["threads"] == 2
+    assert metrics["ray_cpus"] == 2.0
+    assert metrics["hook_var"] == 7.0
+
+
+class _ValueErrorOnRankOne(DigitsClassifier):
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 1:
+            raise ValueError("bad value on rank 1")
+        return super().training_step(batch, batch_idx)
+
+
+def test_value_error_in_training_step_is_a_value_error(
+    tmp_path, ray_start_4_cpus, no_leftover_actors
+):
+    trainer = _trainer(RayStrategy(num_workers=2), tmp_path, max_epochs=1)
+    with pytest.raises(ValueError, match="bad value on rank 1") as info:
+        trainer.fit(_ValueErrorOnRankOne(), datamodule=DigitsDataModule())
+    assert isinstance(info.value, WorkerError)
+    assert info.value.rank == 1
+    assert "in training_step" in info.value.remote_traceback
+    assert "ValueError: bad value on rank 1" in info.value.remote_traceback

@@ -1,0 +1,334 @@
+"""Ray's fake multi-node autoscaler (issue 19): a 0-CPU head, node type cpu_node {CPU: 2} x 0-2.
+
+The cluster is this module's own (``RAY_FAKE_CLUSTER=1 ray start --head`` on free ports,
+token authentication off on both sides), and every driver runs in a subprocess, so the
+shared test Ray instance is never touched. It is stopped by the pids of its own
+processes, never by ``ray stop``. Skipped when the fake autoscaler cannot start here.
+
+Until ``RayWorkerGroup`` calls :mod:`polytrain.launchers.autoscaler` itself, the trainer
+test applies the proposed wiring (``_PROPOSED_WIRING``) in its driver.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RAY = Path(sys.executable).with_name("ray")
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fake_config(gcs_address: str) -> dict:
+    return {
+        "cluster_name": "polytrain-fake",
+        "max_workers": 2,
+        "upscaling_speed": 1.0,
+        "idle_timeout_minutes": 1,
+        "docker": {},
+        "provider": {
+            "type": "fake_multinode",
+            "gcs_address": gcs_address,
+            "launch_multiple": True,
+            # As Ray's own fake_multi_node/example.yaml: no SSH updaters for fake nodes
+            # (they would fail and the autoscaler would replace the nodes).
+            "disable_node_updaters": True,
+            "disable_launch_config_check": True,
+            "use_node_id_as_ip": True,
+        },
+        "auth": {"ssh_user": "ubuntu"},
+        "available_node_types": {
+            "ray.head.default": {"resources": {}, "node_config": {}, "max_workers": 0},
+            "cpu_node": {
+                "resources": {"CPU": 2},
+                "node_config": {},
+                "min_workers": 0,
+                "max_workers": 2,
+            },
+        },
+        "head_node_type": "ray.head.default",
+        "file_mounts": {},
+        "cluster_synced_files": [],
+        "file_mounts_sync_continuously": False,
+        "rsync_exclude": [],
+        "rsync_filter": [],
+        "initialization_commands": [],
+        "setup_commands": [],
+        "head_setup_commands": [],
+        "worker_setup_commands": [],
+        "head_start_ray_commands": [],
+        "worker_start_ray_commands": [],
+    }
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAY_AUTH_MODE="disabled", PYTHONPATH=str(REPO_ROOT), **extra)
+    return env
+
+
+def _own_pids(marker: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if marker in proc.joinpath("cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+def _stop(group: int, marker: str) -> None:
+    """Stop the cluster by its own processes: its process group, then anything in its dir."""
+    for sig, pause in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 1.0)):
+        try:
+            os.killpg(group, sig)
+        except ProcessLookupError:
+            pass
+        for pid in _own_pids(marker):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        time.sleep(pause)
+
+
+class FakeCluster:
+    def __init__(self, root: Path, address: str, config: Path):
+        self.root, self.address, self.config = root, address, config
+
+    def driver(self, code: str, timeout_s: float = 300) -> tuple[dict, str]:
+        """Run ``code`` as a driver of this cluster; it reports with ``result(dict)``."""
+        prelude = textwrap.dedent(
+            """
+            import json, sys, time
+            import ray
+            ray.init(address=sys.argv[1], log_to_driver=False, configure_logging=False)
+            def result(value):
+                print("RESULT " + json.dumps(value), flush=True)
+            """
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", prelude + textwrap.dedent(code), self.address],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            cwd=REPO_ROOT,
+        )
+        output = done.stdout + done.stderr
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert done.returncode == 0 and lines, (
+            f"driver failed ({done.returncode}):\n{output[-4000:]}"
+        )
+        return json.loads(lines[-1][7:]), output
+
+
+@pytest.fixture(scope="module")
+def fake_cluster():
+    if not RAY.exists():
+        pytest.skip(f"no ray command next to {sys.executable}")
+    root = Path(tempfile.mkdtemp(prefix="ptfake", dir="/tmp"))
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    config = root / "autoscaling.json"
+    config.write_text(json.dumps(_fake_config(address)))
+    command = [
+        str(RAY), "start", "--head", "--num-cpus=0", f"--port={port}",
+        f"--autoscaling-config={config}", f"--temp-dir={root / 'ray'}",
+        "--include-dashboard=false", "--disable-usage-stats",
+        f"--dashboard-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
+        f"--ray-client-server-port={_free_port()}",
+    ]  # fmt: skip
+    env = _env(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
+    starter = subprocess.Popen(
+        command, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        out, _ = starter.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        _stop(starter.pid, str(root))
+        pytest.skip("the fake autoscaling cluster did not start within 120 s")
+    if starter.returncode != 0:
+        _stop(starter.pid, str(root))
+        pytest.skip(f"the fake autoscaling cluster cannot start here: {out.decode()[-1500:]}")
+    try:
+        yield FakeCluster(root, address, config)
+    finally:
+        _stop(starter.pid, str(root))
+        left = _own_pids(str(root))
+        shutil.rmtree(root, ignore_errors=True)
+        assert left == [], f"processes of the fake cluster still running: {left}"
+
+
+def test_node_types_are_read_from_the_head(fake_cluster):
+    value, _ = fake_cluster.driver(
+        """
+        from polytrain.launchers import autoscaler
+        shape = autoscaler.read_cluster_shape()
+        result({"source": shape.source, "describe": shape.describe(),
+                "types": [[t.name, dict(t.resources), t.min_workers, t.max_workers]
+                          for t in shape.node_types]})
+        """
+    )
+    assert value["source"] == str(fake_cluster.config)
+    assert value["types"] == [["cpu_node", {"CPU": 2.0}, 0, 2]]
+    assert value["describe"] == "cpu_node {CPU: 2} x 0-2 (at most 2 worker nodes)"
+
+
+def test_polytrain_check_lists_node_types_next_to_live_nodes(fake_cluster):
+    value, _ = fake_cluster.driver(
+        """
+        from polytrain.cli_check import _check_nodes, _Report
+        report = _Report()
+        _check_nodes(report, None)
+        result({check: [status, detail] for check, status, detail in report.rows})
+        """
+    )
+    assert value["live nodes"][0] == "OK" and "(head) 0 CPU" in value["live nodes"][1]
+    status, detail = value["autoscaler"]
+    assert status == "OK" and detail.startswith("cpu_node {CPU: 2} x 0-2 (at most 2 worker")
+    assert detail.endswith(f"from {fake_cluster.config}")
+    # The fake config installs nothing: every optional backend is reported missing.
+    assert value["setup cpu_node"][0] == "WARN" and "horovod" in value["setup cpu_node"][1]
+
+
+def test_impossible_requests_fail_in_seconds(fake_cluster):
+    value, _ = fake_cluster.driver(
+        """
+        from polytrain.errors import InsufficientResourcesError
+        from polytrain.launchers import autoscaler
+        out = {}
+        for name, bundle, count in [("big", {"CPU": 4.0}, 1), ("gpu", {"CPU": 1.0, "GPU": 1.0}, 1),
+                                    ("many", {"CPU": 2.0}, 3), ("fits", {"CPU": 2.0}, 2)]:
+            start = time.monotonic()
+            try:
+                shape = autoscaler.judge_request(bundle, count, "PACK", f"{count} x {bundle}")
+                out[name] = ["ok", shape.source, time.monotonic() - start]
+            except InsufficientResourcesError as exc:
+                out[name] = ["error", str(exc), time.monotonic() - start]
+        result(out)
+        """
+    )
+    for name in ("big", "gpu", "many"):
+        kind, message, seconds = value[name]
+        assert kind == "error" and seconds < 10, value[name]
+        assert "can never be placed" in message and "cpu_node (CPU: 2)" in message
+    assert "use_gpu=False" in value["gpu"][1]
+    assert value["fits"][0] == "ok" and value["fits"][1] == str(fake_cluster.config)
+
+
+def test_a_placement_group_waits_for_new_nodes_with_progress(fake_cluster):
+    value, _ = fake_cluster.driver(
+        """
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from polytrain.launchers import autoscaler
+        lines = []
+        bundle = {"CPU": 2.0}
+        shape = autoscaler.judge_request(bundle, 2, "PACK", "2 x CPU 2")
+        pg = placement_group([bundle] * 2)
+        start = time.monotonic()
+        placed = autoscaler.wait_for_nodes(pg.ready(), 120, bundle, 2, shape, log=lines.append,
+                                           every_s=2)
+        seconds = time.monotonic() - start
+        cpus = ray.cluster_resources().get("CPU", 0)
+        remove_placement_group(pg)
+        result({"placed": placed, "seconds": seconds, "lines": lines, "cpus": cpus})
+        """
+    )
+    assert value["placed"] and value["cpus"] >= 4, value
+    assert value["lines"], "no progress line while the autoscaler started nodes"
+    assert value["lines"][0].startswith("waiting for 2 x cpu_node from the autoscaler, ")
+    assert value["lines"][0].endswith(" s so far")
+
+
+# The wiring proposed for RayWorkerGroup (the lead adds it in worker_group.py): judge the
+# request against the node types where check_feasible runs, and wait with progress.
+_PROPOSED_WIRING = """
+import inspect
+from polytrain.launchers import autoscaler, worker_group as wg
+
+PROGRESS = []
+if "autoscaler" not in inspect.getsource(wg):
+    original_reserve, original_wait = wg.RayWorkerGroup._reserve_bundles, wg.RayWorkerGroup._wait_until_placed
+
+    def _reserve_bundles(self):
+        self._autoscaling = autoscaler.judge_request(
+            self.bundle, self.num_workers, self.placement_strategy, self._requested())
+        if self._autoscaling is None:
+            return original_reserve(self)
+        saved, wg.check_feasible = wg.check_feasible, lambda *args: None
+        try:
+            return original_reserve(self)
+        finally:
+            wg.check_feasible = saved
+
+    def _wait_until_placed(self):
+        shape = getattr(self, "_autoscaling", None)
+        if shape is None:
+            return original_wait(self)
+        if not autoscaler.wait_for_nodes(self._placement_group.ready(), self.start_timeout_s,
+                                         self.bundle, self.num_workers, shape,
+                                         log=PROGRESS.append, every_s=2):
+            self.start_timeout_s = 0.0
+            original_wait(self)  # raises the not-placed error
+
+    wg.RayWorkerGroup._reserve_bundles = _reserve_bundles
+    wg.RayWorkerGroup._wait_until_placed = _wait_until_placed
+"""
+
+
+def test_workers_that_need_new_nodes_train(fake_cluster):
+    """The issue's failing call: TorchTrainer on a cluster whose workers start at zero."""
+    value, output = fake_cluster.driver(
+        _PROPOSED_WIRING
+        + textwrap.dedent(
+            """
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+        from polytrain import TorchTrainer
+
+        def model(config):
+            torch.manual_seed(0)
+            return torch.nn.Linear(4, 2)
+
+        def data(config):
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(64, 4, generator=g)
+            return DataLoader(TensorDataset(x, (x.sum(1) > 0).long()), batch_size=16)
+
+        trainer = TorchTrainer(
+            model_creator=model, data_creator=data,
+            optimizer_creator=lambda m, c: torch.optim.SGD(m.parameters(), lr=0.1),
+            loss_creator=torch.nn.CrossEntropyLoss, config={"batch_size": 16},
+            scaling_config={"address": sys.argv[1], "num_workers": 2, "num_cpus_per_worker": 2},
+        )
+        stats = trainer.train()
+        nodes = sum(n["Alive"] for n in ray.nodes())
+        trainer.shutdown()
+        result({"loss": stats["loss"], "nodes": nodes, "progress": PROGRESS})
+        """
+        ),
+        timeout_s=480,
+    )
+    assert value["nodes"] >= 3, output[-3000:]  # the head and two cpu_node nodes
+    assert value["loss"] == value["loss"]  # trained: a finite loss

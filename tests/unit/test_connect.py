@@ -1,0 +1,160 @@
+"""Connecting fails fast for every address form (issue 17, point 3), without starting Ray.
+
+:func:`plan_connection` decides what :func:`ensure_ray` does and raises before
+``ray.init`` is ever called, so these tests run with or without a Ray instance in
+the test process. Sockets stand in for Ray heads: one bound but not listening is
+an address nobody answers at.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import pytest
+
+from polytrain.launchers.connect import plan_connection, probe, resolve_target
+
+
+def _outward_ip() -> str:
+    from ray._private.services import get_node_ip_address
+
+    return get_node_ip_address()
+
+
+needs_rewrite = pytest.mark.skipif(
+    _outward_ip() == "127.0.0.1", reason="Ray does not rewrite loopback addresses on this host"
+)
+
+
+@pytest.fixture
+def dead_port():
+    """A port bound on every interface that nobody listens on: connections are refused."""
+    sock = socket.socket()
+    sock.bind(("", 0))
+    yield sock.getsockname()[1]
+    sock.close()
+
+
+@pytest.fixture
+def loopback_listener():
+    """A port that answers on 127.0.0.1 only, like a head started with --node-ip-address=127.0.0.1."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    yield sock.getsockname()[1]
+    sock.close()
+
+
+@pytest.fixture
+def session_dir(tmp_path, monkeypatch):
+    """A private Ray temp dir (RAY_TMPDIR), as if `ray start` had written its session file there."""
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (tmp_path / "ray").mkdir()
+    return tmp_path / "ray"
+
+
+def test_probe_tells_answering_from_refused(loopback_listener, dead_port):
+    assert probe(f"127.0.0.1:{loopback_listener}") is None
+    assert "refused" in probe(f"127.0.0.1:{dead_port}").lower()
+    assert "not host:port" in probe("no-port-here")
+
+
+def test_address_forms_resolve_to_what_ray_dials(dead_port):
+    assert resolve_target("local").dial is None
+    assert resolve_target(f"ray://10.1.2.3:{dead_port}").dial == f"10.1.2.3:{dead_port}"
+    given = resolve_target(f"10.1.2.3:{dead_port}")
+    assert (given.dial, given.loopback, given.source) == (f"10.1.2.3:{dead_port}", None, "argument")
+    for host in ("127.0.0.1", "localhost"):
+        target = resolve_target(f"{host}:{dead_port}")
+        assert target.dial == f"{_outward_ip()}:{dead_port}"
+        assert target.loopback == f"{host}:{dead_port}"
+
+
+@needs_rewrite
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_unreachable_loopback_address_fails_naming_the_dialled_one(host, dead_port):
+    with pytest.raises(ConnectionError) as info:
+        plan_connection(f"{host}:{dead_port}")
+    message = str(info.value)
+    assert f"Could not connect to Ray at address='{host}:{dead_port}'" in message
+    assert f"Ray dials {_outward_ip()}:{dead_port}" in message
+    assert "address=None to start a local instance" in message
+
+
+def test_unreachable_remote_address_fails(dead_port):
+    with pytest.raises(ConnectionError, match=f"nothing answers at 127.0.0.1:{dead_port}"):
+        plan_connection(f"ray://127.0.0.1:{dead_port}")
+
+
+@needs_rewrite
+def test_head_on_the_loopback_only_is_reached_over_the_loopback(loopback_listener):
+    # Ray would dial the outward address, where nothing answers, and retry for minutes.
+    how, target = plan_connection(f"127.0.0.1:{loopback_listener}")
+    assert how == "loopback"
+    assert target.dial == f"{_outward_ip()}:{loopback_listener}"
+
+
+def test_head_on_every_interface_is_dialled_as_ray_does():
+    sock = socket.socket()
+    sock.bind(("", 0))
+    sock.listen()
+    try:
+        port = sock.getsockname()[1]
+        assert plan_connection(f"127.0.0.1:{port}")[0] == "connect"
+    finally:
+        sock.close()
+
+
+def test_stale_session_file_starts_local_with_no_address(session_dir, dead_port, caplog):
+    (session_dir / "ray_current_cluster").write_text(f"127.0.0.1:{dead_port}")
+    with caplog.at_level(logging.WARNING, logger="polytrain.launchers.connect"):
+        how, target = plan_connection(None)
+    assert how == "local"
+    assert target.source == "session file"
+    warning = caplog.text
+    assert f"'127.0.0.1:{dead_port}' comes from the session file" in warning
+    assert str(session_dir / "ray_current_cluster") in warning
+    assert "Starting a local Ray instance instead" in warning
+
+
+def test_stale_session_file_fails_fast_with_auto(session_dir, dead_port):
+    (session_dir / "ray_current_cluster").write_text(f"127.0.0.1:{dead_port}")
+    with pytest.raises(ConnectionError) as info:
+        plan_connection("auto")
+    message = str(info.value)
+    assert "Could not connect to Ray at address='auto'" in message
+    assert f"delete {session_dir / 'ray_current_cluster'}" in message
+    assert "that cluster is gone" in message
+
+
+def test_live_session_file_is_connected_to(session_dir):
+    sock = socket.socket()
+    sock.bind(("", 0))
+    sock.listen()
+    try:
+        (session_dir / "ray_current_cluster").write_text(f"127.0.0.1:{sock.getsockname()[1]}")
+        assert plan_connection(None)[0] == "connect"
+        assert plan_connection("auto")[0] == "connect"
+    finally:
+        sock.close()
+
+
+def test_no_session_file_and_no_address_starts_local(session_dir):
+    assert plan_connection(None)[0] == "local"
+    assert plan_connection("local")[0] == "local"
+
+
+def test_dead_ray_address_variable_is_named(session_dir, dead_port, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{dead_port}")
+    for address in (None, "auto"):
+        with pytest.raises(ConnectionError) as info:
+            plan_connection(address)
+        assert f"RAY_ADDRESS='127.0.0.1:{dead_port}'" in str(info.value)
+        assert "unset the RAY_ADDRESS environment variable" in str(info.value)
+
+
+def test_malformed_address_is_a_connection_error():
+    with pytest.raises(ConnectionError, match="address='not an address'"):
+        plan_connection("not an address")
