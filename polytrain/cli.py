@@ -83,6 +83,12 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     check.add_argument("--no-collective", action="store_true", help="skip the training steps")
     check.add_argument("--num-workers", type=int, default=2, help="workers per collective check")
     check.add_argument("--timeout", type=float, default=180.0, help="seconds per worker check")
+    check.add_argument(
+        "--cluster-config",
+        metavar="FILE",
+        help="the cluster file (launcher YAML or RayCluster manifest): its node types and what "
+        "its nodes install",
+    )
     check.set_defaults(func=cmd_check)
 
 

@@ -320,3 +320,18 @@ def placeable_bundles(bundle: dict[str, float]) -> int:
     """How many more copies of ``bundle`` the cluster's free resources hold now."""
     available = ray.available_resources()
     return int(min(available.get(k, 0.0) // v for k, v in bundle.items() if v > 0))
+
+
+def format_resources(resources: dict[str, float]) -> str:
+    """Ray resources for a message: CPU, GPU, memory in GiB and custom resources, no node tags."""
+    keep = {
+        k: v
+        for k, v in resources.items()
+        if k in ("CPU", "GPU", "memory") or not k.startswith("node:")
+    }
+    keep.pop("object_store_memory", None)
+    if "memory" in keep:
+        keep["memory"] = f"{keep['memory'] / 2**30:.1f} GiB"
+    return ", ".join(
+        f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(keep.items())
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,8 +28,8 @@ from polytrain.errors import (
     WorkerError,
     worker_error_like,
 )
-from polytrain.launchers import base
-from polytrain.launchers.connect import ensure_ray
+from polytrain.launchers import autoscaler, base
+from polytrain.launchers.connect import ensure_ray, format_resources
 from polytrain.launchers.ranks import (
     RankInfo,
     WorkerMetadata,
@@ -117,6 +118,7 @@ class RayWorkerGroup(base.WorkerGroup):
         self.metadata: list[WorkerMetadata] = []
         self.rank_infos: list[RankInfo] = []
         self.device_indices: list[int] = []
+        self._autoscaling: autoscaler.ClusterShape | None = None
         self._placement_group = None
         self._owns_placement_group = True
 
@@ -154,7 +156,7 @@ class RayWorkerGroup(base.WorkerGroup):
                 raise InsufficientResourcesError(
                     f"Requested {self._requested()}, but the Ray cluster has "
                     f"{total.get(resource, 0.0):g} {resource} in total, so no worker can "
-                    f"ever be placed. Cluster resources: {_fmt(total)}. "
+                    f"ever be placed. Cluster resources: {format_resources(total)}. "
                     + (
                         "Set use_gpu=False or add GPU nodes."
                         if resource == "GPU"
@@ -170,7 +172,13 @@ class RayWorkerGroup(base.WorkerGroup):
             # and drops it when the trainable reserves nothing.
             self._placement_group, self._owns_placement_group = current, False
             return len(current.bundle_specs) - self.num_workers
-        self._check_feasible()
+        # Judged against what the cluster can become (the autoscaler's node types) where
+        # an autoscaler is visible; against the live nodes otherwise.
+        self._autoscaling = autoscaler.judge_request(
+            self.bundle, self.num_workers, self.placement_strategy, self._requested()
+        )
+        if self._autoscaling is None:
+            self._check_feasible()
         self._placement_group = placement_group(
             [dict(self.bundle) for _ in range(self.num_workers)],
             strategy=self.placement_strategy,
@@ -179,16 +187,27 @@ class RayWorkerGroup(base.WorkerGroup):
         return 0
 
     def _wait_until_placed(self) -> None:
-        ready, _ = ray.wait([self._placement_group.ready()], timeout=self.start_timeout_s)
-        if ready:
+        timeout = autoscaler.start_timeout(self.start_timeout_s, self._autoscaling)
+        if self._autoscaling is None:
+            placed = bool(ray.wait([self._placement_group.ready()], timeout=timeout)[0])
+        else:
+            placed = autoscaler.wait_for_nodes(
+                self._placement_group.ready(),
+                timeout,
+                self.bundle,
+                self.num_workers,
+                self._autoscaling,
+                log=lambda line: print(line, file=sys.stderr, flush=True),
+            )
+        if placed:
             return
         available = ray.available_resources()
         total = ray.cluster_resources()
         self.shutdown()
         raise InsufficientResourcesError(
             f"Could not place {self._requested()} within start_timeout_s="
-            f"{self.start_timeout_s:g}s. Available now: {_fmt(available)}; cluster total: "
-            f"{_fmt(total)}. Lower num_workers or the per-worker resources, free the "
+            f"{self.start_timeout_s:g}s. Available now: {format_resources(available)}; cluster total: "
+            f"{format_resources(total)}. Lower num_workers or the per-worker resources, free the "
             f"cluster, add nodes, or raise start_timeout_s."
         )
 
@@ -370,17 +389,3 @@ class RayWorkerGroup(base.WorkerGroup):
 
 #: The name this class had before the contract was declared; kept for existing imports.
 WorkerGroup = RayWorkerGroup
-
-
-def _fmt(resources: dict[str, float]) -> str:
-    keep = {
-        k: v
-        for k, v in resources.items()
-        if k in ("CPU", "GPU", "memory") or not k.startswith("node:")
-    }
-    keep.pop("object_store_memory", None)
-    if "memory" in keep:
-        keep["memory"] = f"{keep['memory'] / 2**30:.1f} GiB"
-    return ", ".join(
-        f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(keep.items())
-    )
