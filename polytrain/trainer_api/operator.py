@@ -146,7 +146,12 @@ class TrainingOperator:
         for batch_idx, batch in enumerate(iterator):
             if num_steps is not None and batch_idx >= num_steps:
                 break
-            batch_info = {**info, "batch_idx": batch_idx, "global_step": self.global_step}
+            batch_info = {
+                **info,
+                "batch_idx": batch_idx,
+                "epoch_idx": info.get("epoch"),  # RaySGD's name
+                "global_step": self.global_step,
+            }
             metrics = self.train_batch(self.to_device(batch), batch_info)
             n = int(metrics.get("num_samples", 1)) if metrics else 1
             if self.check_finite_loss and metrics and "loss" in metrics:
