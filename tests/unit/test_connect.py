@@ -51,6 +51,11 @@ def session_dir(tmp_path, monkeypatch):
     """A private Ray temp dir (RAY_TMPDIR), as if `ray start` had written its session file there."""
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # No Ray processes on this host: with one running (the suite's own instance),
+    # Ray's legacy "auto" rule would dial that GCS instead of the session file.
+    import ray._private.services
+
+    monkeypatch.setattr(ray._private.services, "find_gcs_addresses", lambda: [])
     (tmp_path / "ray").mkdir()
     return tmp_path / "ray"
 
