@@ -16,7 +16,7 @@ unit:             ## the fast unit tests only (no Ray)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 demo: setup       ## the main job: train the digits example on every installed backend and compare
-	$(PY) -m polytrain compare -c examples/configs/ddp.yaml --epochs 5 --out polytrain_runs/demo
+	$(PY) -m polytrain compare -c examples/configs/digits_both.yaml --epochs 5 --out polytrain_runs/demo
 
 bench: setup      ## side-by-side benchmarks against the native launchers; rewrites benchmarks/RESULTS.md
 	$(PY) benchmarks/run.py

@@ -11,8 +11,10 @@ Usage::
     python benchmarks/run.py                 # everything, 3 repetitions (~25 min on 2 cores)
     python benchmarks/run.py --quick         # a short smoke run (1 repetition, few steps, no Ray Train)
     python benchmarks/run.py --only ddp,horovod --reps 5
+    python benchmarks/run.py --only warm     # start-up: cold path per phase, warm workers
 
-``--only`` takes: ddp, raytrain, horovod, fairscale, deepspeed, fsdp, tf.
+``--only`` takes: ddp, raytrain, horovod, fairscale, deepspeed, fsdp, tf, warm
+(see :mod:`benchmarks.warm_section`).
 
 What is measured, per run (one run = one fresh launch):
 
@@ -41,7 +43,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,109 +57,11 @@ OUT = BENCH / "out"
 RESULTS = BENCH / "RESULTS.md"
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import warm_section  # noqa: E402
+from benchmarks.cases import Case, _free_ports, _py, torch_cases  # noqa: E402
 from benchmarks.workload import NUM_WORKERS, WorkloadSpec  # noqa: E402
 
-TAGS = ("ddp", "raytrain", "horovod", "fairscale", "deepspeed", "fsdp", "tf")
-BIN = Path(sys.executable).parent
-
-
-@dataclasses.dataclass
-class Case:
-    """One thing to launch: its commands (all started at once) and what it needs."""
-
-    key: str
-    label: str
-    tag: str
-    kind: str  # "native" | "polytrain" | "raytrain"
-    commands: list[tuple[list[str], dict[str, str]]]
-    spec: WorkloadSpec
-    requires: tuple[str, ...] = ()
-    timeout_s: float = 300.0
-    baseline: str | None = None  # key of the case this one is compared with
-
-
-def _free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
-def _py(script: str, *args: str) -> list[str]:
-    return [sys.executable, str(BENCH / script), *args]
-
-
-def _torchrun(script: str, *args: str) -> list[str]:
-    return [str(BIN / "torchrun"), f"--nproc_per_node={NUM_WORKERS}", str(BENCH / script), *args]
-
-
-# ------------------------------------------------------------------ cases
-def torch_cases(tag: str, spec: WorkloadSpec, prefix: str) -> list[Case]:
-    """The native run and the polytrain run of one torch backend on ``spec``."""
-    s = spec.to_json()
-    timeout = 600.0 if spec.model == "big" else 300.0
-    native = {
-        "ddp": ("torchrun + DDP script", _torchrun("native/ddp_native.py", "--spec", s), ()),
-        "fairscale": (
-            "torchrun + fairscale OSS/ShardedDDP script",
-            _torchrun("native/fairscale_native.py", "--spec", s),
-            ("fairscale",),
-        ),
-        "deepspeed": (
-            "torchrun + DeepSpeed ZeRO-2 engine script",
-            _torchrun("native/deepspeed_native.py", "--spec", s, "--stage", "2"),
-            ("deepspeed",),
-        ),
-        "fsdp": ("torchrun + FSDP script", _torchrun("native/fsdp_native.py", "--spec", s), ()),
-        "horovod": (
-            "horovodrun --gloo -np 2 + Horovod script",
-            [
-                str(BIN / "horovodrun"),
-                "--gloo",
-                "-np",
-                str(NUM_WORKERS),
-                sys.executable,
-                str(BENCH / "native/horovod_native.py"),
-                "--spec",
-                s,
-            ],
-            ("horovod",),
-        ),
-    }
-    backend_config = {"deepspeed": {"stage": 2}, "fairscale": {"mode": "sddp"}}.get(tag)
-    label, argv, requires = native[tag]
-    native_key = f"{prefix}/native-{tag}"
-    return [
-        Case(native_key, label, tag, "native", [(argv, {})], spec, requires, timeout),
-        Case(
-            f"{prefix}/polytrain-{tag}",
-            f'polytrain TorchTrainer(backend="{tag}")',
-            tag,
-            "polytrain",
-            [
-                (
-                    _py(
-                        "drivers/polytrain_torch.py",
-                        "--backend",
-                        tag,
-                        "--backend-config",
-                        json.dumps(backend_config),
-                        "--spec",
-                        s,
-                    ),
-                    {},
-                )
-            ],
-            spec,
-            requires,
-            timeout,
-            baseline=native_key,
-        ),
-    ]
+TAGS = ("ddp", "raytrain", "horovod", "fairscale", "deepspeed", "fsdp", "tf", "warm")
 
 
 def build_sections(args: argparse.Namespace) -> dict[str, list[list[Case]]]:
@@ -229,6 +132,7 @@ def build_sections(args: argparse.Namespace) -> dict[str, list[list[Case]]]:
         "horovod": [torch_cases("horovod", core, "horovod")],
         "sharded": [sharded_core, sharded_big],
         "tf": [tf_cases],
+        "warm": warm_section.groups(args.warm_steps),
     }
 
 
@@ -323,7 +227,9 @@ def run_case(case: Case, log_dir: Path) -> dict[str, Any]:
     driver_path = result_dir / "driver.json"
     driver = json.loads(driver_path.read_text()) if driver_path.exists() else None
     shutil.rmtree(result_dir, ignore_errors=True)
-    if len(ranks) < NUM_WORKERS and error is None:
+    if case.kind == "scenario" and driver is None and error is None:
+        error = "the driver wrote no results"
+    elif case.kind != "scenario" and len(ranks) < NUM_WORKERS and error is None:
         error = f"only {len(ranks)} of {NUM_WORKERS} workers wrote results"
     if error is not None:
         tail = log_path.read_text(errors="replace").strip().splitlines()[-12:]
@@ -334,7 +240,11 @@ def run_case(case: Case, log_dir: Path) -> dict[str, Any]:
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
         "log": str(log_path),
-        **summarize(case, t_launch, ranks, driver),
+        **(
+            warm_section.summarize_scenario(driver)
+            if case.kind == "scenario"
+            else summarize(case, t_launch, ranks, driver)
+        ),
     }
 
 
@@ -432,7 +342,11 @@ def run_sections(
                     print(f"[{name}] rep {rep + 1}/{reps}: {case.key} ...", flush=True)
                     result = run_case(case, log_dir)
                     entry["runs"].append(result)
-                    if result["ok"]:
+                    if result["ok"] and case.kind == "scenario":
+                        print(
+                            f"    {result['metrics']}  load {result['load_before']:.1f}", flush=True
+                        )
+                    elif result["ok"]:
                         print(
                             f"    launch {result['launch_s']:.1f}s  step "
                             f"{_fmt(result['step_ms'], 2)} ms  interval "
@@ -695,6 +609,9 @@ def render(all_results: dict[str, dict[str, Any]]) -> str:
             "batch-end callback; there is no separate step time.)",
             "",
         ]
+    warm = all_results.get("warm")
+    if warm:
+        out += warm_section.render(warm, _meta_line(warm))
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -761,6 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--big-layers", type=int, default=None)
     parser.add_argument("--big-width", type=int, default=None)
     parser.add_argument("--big-steps", type=int, default=None)
+    parser.add_argument("--warm-steps", type=int, default=None, help="steps per trainer (warm)")
     parser.add_argument("--render-only", action="store_true", help="rebuild RESULTS.md from out/")
     args = parser.parse_args(argv)
     # Ray Train's launches take ~1 min each here: a smoke run leaves them out unless asked.
@@ -777,6 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     args.big_width = args.big_width or (1000 if quick else 2000)
     args.big_steps = args.big_steps or (5 if quick else 6)
     args.big_warmup = 2
+    args.warm_steps = args.warm_steps or (10 if quick else 30)
     command = "python benchmarks/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
     OUT.mkdir(parents=True, exist_ok=True)
     if not args.render_only:

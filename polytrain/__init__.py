@@ -25,7 +25,10 @@ _EXPORTS = {
     "load_checkpoint": "polytrain.trainer_api.checkpoint",
 }
 
-__all__ = sorted(_EXPORTS)
+#: Submodules reachable as attributes without an explicit import (``polytrain.pool.configure``).
+_SUBMODULES = ("pool",)
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 if TYPE_CHECKING:  # pragma: no cover
     from polytrain.backends.registry import available_backends, describe_backends, get_backend
@@ -36,6 +39,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"polytrain.{name}")
+        globals()[name] = value
+        return value
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'polytrain' has no attribute {name!r}")

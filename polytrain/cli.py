@@ -2,13 +2,17 @@
 
 ::
 
-    polytrain train   -c examples/configs/ddp.yaml [key=value ...]
+    polytrain train   -c examples/configs/ddp.yaml [key=value ...] [--logger tensorboard,csv]
     polytrain compare -c examples/configs/ddp.yaml --backends ddp,horovod,deepspeed
+    polytrain compare -c examples/configs/digits_both.yaml     # torch and TensorFlow together
     polytrain check   [--address ADDR] [--backends ddp,fsdp]
     polytrain submit  --address http://HEAD:8265 -- polytrain train -c cfg.yaml
 
 Overrides use dotted keys with YAML values: ``backend=horovod num_workers=4
 config.lr=0.05 scaling.num_cpus_per_worker=2``.
+
+Third-party noise (framework warnings and start-up logs from every worker) is
+filtered unless ``--verbose`` (or ``POLYTRAIN_VERBOSE=1``) asks for everything.
 
 Like ``polytrain/__init__.py`` this module is a face of the package: nothing in
 the package imports it. The commands live in :mod:`polytrain.cli_commands` and
@@ -47,6 +51,28 @@ __all__ = [
 ]
 
 _RAY_HELP = "Ray cluster to use (host:port or 'auto'); default: RAY_ADDRESS, else a new local one"
+_VERBOSE_HELP = "show every warning and log line of the frameworks (also: POLYTRAIN_VERBOSE=1)"
+
+
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    # On the subcommands too, so `polytrain compare -c x.yaml --verbose` works; SUPPRESS
+    # keeps a subcommand from resetting a `polytrain --verbose compare ...`.
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE_HELP
+    )
+
+
+def _tolerance(text: str) -> float:
+    """``0.02`` or ``2%`` -> 0.02."""
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a relative tolerance; write e.g. 0.02 or 2%"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the tolerance must be >= 0")
+    return value
 
 
 # ------------------------------------------------------------------ parser
@@ -57,6 +83,18 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--out", help="run directory (default: ./polytrain_runs/<config>-<time>/)")
     train.add_argument("--address", help=_RAY_HELP)
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--logger",
+        help="experiment trackers, comma-separated: tensorboard, mlflow, wandb, csv "
+        "(default: the config's loggers:); they write into the run directory",
+    )
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out (or the config's checkpoint.checkpoint_dir) from its "
+        "newest committed checkpoint: after a crashed or stopped driver",
+    )
+    _add_verbose(train)
     train.set_defaults(func=cmd_train)
 
 
@@ -72,7 +110,15 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     compare.add_argument(
         "--out", help="output directory (default: ./polytrain_runs/compare-<time>/)"
     )
+    compare.add_argument(
+        "--tolerance",
+        type=_tolerance,
+        default=0.02,
+        help="flag backends whose final loss or validation metrics differ from their "
+        "framework's first backend by more than this (relative; default 0.02 = 2%%)",
+    )
     compare.add_argument("--address", help=_RAY_HELP)
+    _add_verbose(compare)
     compare.set_defaults(func=cmd_compare)
 
 
@@ -89,6 +135,7 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
         help="the cluster file (launcher YAML or RayCluster manifest): its node types and what "
         "its nodes install",
     )
+    _add_verbose(check)
     check.set_defaults(func=cmd_check)
 
 
@@ -129,8 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Overrides are dotted keys with YAML values: backend=horovod config.lr=0.05",
     )
     parser.add_argument("--version", action="version", version=f"polytrain {polytrain.__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_train, _add_compare, _add_check, _add_submit):
+    from polytrain.cli_checkpoint import add_checkpoint
+
+    for add in (_add_train, _add_compare, _add_check, _add_submit, add_checkpoint):
         add(sub)
     return parser
 
@@ -138,10 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
 # -------------------------------------------------------------------- main
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``polytrain`` command; returns its exit status."""
+    from polytrain.compat import quiet
     from polytrain.errors import ConfigError, PolytrainError
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.verbose:
+        quiet.set_verbose(True)  # before Ray starts: the workers inherit it
+    quiet.install()
     if getattr(args, "env", None):
         bad = [item for item in args.env if "=" not in item]
         if bad:

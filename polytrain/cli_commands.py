@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from polytrain.errors import ConfigError
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
@@ -48,9 +50,15 @@ def ray_summary() -> str:
 
 
 # -------------------------------------------------------------------- train
-def _train_overrides(args: argparse.Namespace) -> list[str]:
+def _train_overrides(args: argparse.Namespace, run_dir: Path | None) -> list[str]:
     # The command line shows a progress bar unless told not to, or the overrides decide.
     overrides = list(args.overrides)
+    if run_dir is not None:
+        # Epoch-end checkpoints go into the run directory unless the config says where,
+        # so that `polytrain train --resume --out <run dir>` can continue the run.
+        overrides.insert(0, f"checkpoint.checkpoint_dir={run_dir / 'checkpoints'}")
+    if getattr(args, "resume", False):
+        overrides.append("checkpoint.resume=true")
     if args.no_progress:
         overrides.append("use_tqdm=false")
     elif not any(o.startswith("use_tqdm=") for o in overrides):
@@ -70,13 +78,19 @@ def _epoch_line(stats: dict[str, Any], val: dict[str, Any]) -> str:
 
 
 def _train_epochs(run: Any, trainer: Any, metrics_path: Path) -> None:
-    """Train ``run.epochs`` epochs: a line per epoch on stdout and in ``metrics_path``."""
-    from polytrain.compare import _can_validate
+    """Train up to ``run.epochs`` epochs: a line per epoch on stdout and in ``metrics_path``.
+
+    A resumed trainer starts at its checkpoint's epoch; the epochs before it are
+    already in ``metrics_path``, which is appended to.
+    """
+    from polytrain.compare import _can_validate, train_epoch
 
     validate = run.validate_each_epoch and _can_validate(trainer)
-    with metrics_path.open("w") as metrics:
-        for _ in range(run.epochs):
-            stats = trainer.train(num_steps=run.num_steps)
+    if trainer.epoch:
+        print(f"resumed at epoch {trainer.epoch} of {run.epochs}", flush=True)
+    with metrics_path.open("a" if trainer.epoch else "w") as metrics:
+        while trainer.epoch < run.epochs:
+            stats = train_epoch(trainer, run.num_steps)
             val = trainer.validate() if validate else {}
             print(_epoch_line(stats, val), flush=True)
             metrics.write(json.dumps({**stats, **val}, default=str) + "\n")
@@ -87,12 +101,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     import yaml
 
     from polytrain.compare import default_run_dir
+    from polytrain.loggers import resolve_loggers
     from polytrain.trainer_api.run_config import connect_ray, load_config
 
-    run = load_config(args.config, _train_overrides(args))
+    configured = load_config(args.config, args.overrides).checkpoint.checkpoint_dir
+    if args.resume and not (args.out or configured):
+        raise ConfigError(
+            "--resume continues a run from its checkpoints, but neither --out (the run "
+            "directory to continue) nor checkpoint.checkpoint_dir in the config says where "
+            "they are. Pass --out polytrain_runs/<the run>."
+        )
     run_dir = Path(args.out) if args.out else default_run_dir(Path(args.config).stem)
+    run = load_config(args.config, _train_overrides(args, None if configured else run_dir))
+    # Named loggers write into the run directory; the trainer drives them.
+    loggers = resolve_loggers(split_names(args.logger) or run.loggers, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = Path(run.checkpoint.checkpoint_dir or run_dir)
+    ckpt_dir = Path(configured or run_dir)
     (run_dir / "run_config.yaml").write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
     scaling = run.scaling_config()
     if not scaling.local_mode:
@@ -103,15 +127,24 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"for {run.epochs} epoch(s); run directory {run_dir}",
         flush=True,
     )
-    trainer = run.build_trainer()
+    trainer = run.build_trainer(**({"loggers": loggers} if loggers else {}))
     try:
         _train_epochs(run, trainer, run_dir / "metrics.jsonl")
         path = trainer.save(ckpt_dir / "final.pt")
     finally:
-        trainer.shutdown()
+        trainer.shutdown()  # also finishes the loggers
     print(f"checkpoint: {path}", flush=True)
     print(f"metrics: {run_dir / 'metrics.jsonl'}", flush=True)
+    for logger in loggers:
+        print(f"{logger.name}: {_logger_location(logger)}", flush=True)
     return EXIT_OK
+
+
+def _logger_location(logger: Any) -> str:
+    for attr in ("log_dir", "path", "tracking_uri", "save_dir"):
+        if getattr(logger, attr, None) is not None:
+            return str(getattr(logger, attr))
+    return type(logger).__name__
 
 
 # ------------------------------------------------------------------ compare
@@ -131,6 +164,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         epochs=args.epochs,
         out_dir=out_dir,
         num_steps=args.num_steps,
+        tolerance=args.tolerance,
     )
     print()
     print(format_table(results))

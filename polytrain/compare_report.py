@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polytrain.compare_divergence import Divergence
+
 __all__ = [
     "CSV_COLUMNS",
     "FAILED",
@@ -30,6 +32,7 @@ OK, SKIPPED, FAILED = "ok", "skipped", "failed"
 
 CSV_COLUMNS = (
     "backend",
+    "framework",
     "status",
     "epochs",
     "epoch_time_s",
@@ -40,6 +43,8 @@ CSV_COLUMNS = (
     "peak_memory_mb",
     "startup_s",
     "losses",
+    "diverges",
+    "divergence",
     "reason",
 )
 
@@ -59,6 +64,13 @@ class BackendResult:
         val_accuracy: validation accuracy after the last epoch.
         peak_memory_mb: the largest peak memory of one worker over all epochs.
         startup_s: seconds to start the workers and build the model on them.
+        framework: "torch" or "tensorflow".
+        settings: the settings that can change results (``use_fp16``, the backend's
+            options as dotted keys), for the divergence check.
+        reference_backend: the backend this one's results are compared with.
+        relative_final_loss: the final loss relative to the reference's.
+        divergences: the metrics that differ from the reference's beyond the tolerance.
+        divergence_hint: which setting usually causes it.
     """
 
     backend: str
@@ -71,6 +83,34 @@ class BackendResult:
     val_accuracy: float | None = None
     peak_memory_mb: float | None = None
     startup_s: float | None = None
+    framework: str = "torch"
+    settings: dict[str, Any] = field(default_factory=dict)
+    reference_backend: str | None = None
+    relative_final_loss: float | None = None
+    divergences: list[Divergence] = field(default_factory=list)
+    divergence_hint: str = ""
+
+    @property
+    def diverges(self) -> bool:
+        """Whether a metric differs from the reference backend's beyond the tolerance."""
+        return bool(self.divergences)
+
+    def divergence_note(self) -> str:
+        """What differs and the likely cause ("" when nothing does)."""
+        if not self.divergences:
+            return ""
+        what = "; ".join(d.describe() for d in self.divergences)
+        return f"{what}. {self.divergence_hint}"
+
+    def vs_reference(self) -> str:
+        """The final loss relative to the reference backend's: "ref", "+0.0%", "+4.9% !"."""
+        if self.reference_backend is None or self.relative_final_loss is None:
+            return "-"
+        if self.reference_backend == self.backend:
+            return "ref"
+        rel = self.relative_final_loss
+        text = f"{rel:+.1%}" if math.isfinite(rel) else "n/a"
+        return f"{text} !" if self.diverges else text
 
     @property
     def epochs(self) -> int:
@@ -102,6 +142,7 @@ class BackendResult:
         """One CSV row (see :data:`CSV_COLUMNS`)."""
         return {
             "backend": self.backend,
+            "framework": self.framework,
             "status": self.status,
             "epochs": self.epochs,
             "epoch_time_s": _round(self.epoch_time_s, 4),
@@ -112,6 +153,8 @@ class BackendResult:
             "peak_memory_mb": _round(self.peak_memory_mb, 1),
             "startup_s": _round(self.startup_s, 2),
             "losses": ";".join(f"{x:.5f}" for x in self.losses),
+            "diverges": self.diverges,
+            "divergence": self.divergence_note(),
             "reason": self.reason,
         }
 
@@ -121,7 +164,12 @@ def _round(value: float | None, digits: int) -> float | str:
 
 
 def format_table(results: Sequence[BackendResult]) -> str:
-    """The results as an aligned text table (one row per backend)."""
+    """The results as an aligned text table (one row per backend).
+
+    The ``vs ref`` column gives each backend's final loss relative to its
+    framework's reference backend; ``!`` marks a backend whose results differ beyond
+    the tolerance, explained in a line under the table.
+    """
     headers = (
         "backend",
         "status",
@@ -130,6 +178,8 @@ def format_table(results: Sequence[BackendResult]) -> str:
         "final loss",
         "val accuracy",
         "peak MB/worker",
+        "framework",
+        "vs ref",
         "note",
     )
 
@@ -145,6 +195,8 @@ def format_table(results: Sequence[BackendResult]) -> str:
             fmt(r.final_loss, ".4f"),
             fmt(r.val_accuracy, ".3f"),
             fmt(r.peak_memory_mb, ".0f"),
+            r.framework,
+            r.vs_reference(),
             r.reason,
         )
         for r in results
@@ -157,6 +209,7 @@ def format_table(results: Sequence[BackendResult]) -> str:
         "  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip()
         for row in rows
     ]
+    lines += [f"! {r.backend}: {r.divergence_note()}" for r in results if r.diverges]
     return "\n".join(lines)
 
 

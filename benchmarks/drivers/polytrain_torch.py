@@ -1,11 +1,14 @@
 """polytrain's TorchTrainer on the workload: one driver process, as a user runs it.
 
 Timing: ``ray.init`` (the same call the trainer makes when Ray is not running)
-is timed on its own, then the trainer's construction, then ``train``. The
-workers' :class:`TimedOperator` times the default ``train_batch`` (forward,
-loss, zero_grad, backward, step, ``loss.item()``) of every step.
+is timed on its own, then the trainer's construction phase by phase (the
+worker group's placement and actor start, the backend's rendezvous, the
+creators and wrapping: :func:`phase_marks`), then ``train``. The workers'
+:class:`TimedOperator` times the default ``train_batch`` (forward, loss,
+zero_grad, backward, step, ``loss.item()``) of every step.
 
 Usage: python benchmarks/drivers/polytrain_torch.py --backend ddp --spec JSON --result-dir DIR
+       [--preload torch,torch.distributed,torch._dynamo]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch  # noqa: E402
 
 from benchmarks import workload  # noqa: E402
 from polytrain import TorchTrainer  # noqa: E402
+from polytrain.launchers.worker import STARTUP  # noqa: E402
 from polytrain.trainer_api.operator import TrainingOperator  # noqa: E402
 
 
@@ -41,21 +45,39 @@ def _summary(operator: TrainingOperator) -> dict[str, Any]:
     return workload.RECORDER.summary(operator.world_rank)
 
 
-def main() -> None:
-    """Start a trainer, train ``spec.steps`` steps in one call, write every rank's record."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--backend", required=True)
-    parser.add_argument("--backend-config", default="null")
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--result-dir", required=True)
-    args = parser.parse_args()
-    spec = workload.WorkloadSpec.from_json(args.spec)
-    marks = {"script_start": _START, "imported": time.time()}
-    from polytrain.launchers.worker_group import ensure_ray
+class PhaseTrainer(TorchTrainer):
+    """A TorchTrainer that marks the end of the rendezvous and of the workers' set-up."""
 
-    ensure_ray()
-    marks["ray_init_done"] = time.time()
-    trainer = TorchTrainer(
+    marks: dict[str, float] = {}
+
+    def _setup_workers(self, group: Any) -> None:
+        PhaseTrainer.marks.setdefault("rendezvous_done", time.time())
+        super()._setup_workers(group)
+        PhaseTrainer.marks.setdefault("setup_done", time.time())
+
+
+def _startup() -> dict[str, float]:
+    return dict(STARTUP)
+
+
+def phase_marks(trainer: TorchTrainer) -> dict[str, Any]:
+    """Driver and worker marks of the trainer's start (wall-clock), and the pre-import times."""
+    group = trainer._group
+    marks = {f"group_{k}": v for k, v in getattr(group, "timings", {}).items()}
+    marks.update(PhaseTrainer.marks)
+    PhaseTrainer.marks = {}
+    startups = trainer.apply_all_workers(_startup)
+    for key in ("actor_init", "preload_done"):
+        values = [s[key] for s in startups if key in s]
+        if values:
+            marks[f"worker_{key}"] = max(values)
+    imports = {k: max(s.get(k, 0.0) for s in startups) for s in startups for k in s if ":" in k}
+    return {"marks": marks, "imports_s": imports, "reused": bool(getattr(group, "reused", False))}
+
+
+def make_trainer(backend: str, backend_config: Any, spec: workload.WorkloadSpec) -> TorchTrainer:
+    """The benchmark's trainer (timed operator, phase marks) on ``backend``."""
+    return PhaseTrainer(
         model_creator=workload.pt_model_creator,
         data_creator=workload.pt_data_creator,
         optimizer_creator=workload.pt_optimizer_creator,
@@ -64,19 +86,44 @@ def main() -> None:
         config={"batch_size": workload.GLOBAL_BATCH, "spec": spec.to_json()},
         num_workers=workload.NUM_WORKERS,
         num_cpus_per_worker=1,
-        backend=args.backend,
-        backend_config=json.loads(args.backend_config),
+        backend=backend,
+        backend_config=backend_config,
     )
+
+
+def main() -> None:
+    """Start a trainer, train ``spec.steps`` steps in one call, write every rank's record."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--backend-config", default="null")
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--result-dir", required=True)
+    parser.add_argument("--preload", default="", help="modules new workers pre-import")
+    args = parser.parse_args()
+    if args.preload:
+        from polytrain.launchers import pool
+
+        pool.configure(preload=args.preload.split(","))
+    spec = workload.WorkloadSpec.from_json(args.spec)
+    marks = {"script_start": _START, "imported": time.time()}
+    from polytrain.launchers.connect import ensure_ray
+
+    ensure_ray()
+    marks["ray_init_done"] = time.time()
+    marks["trainer_start"] = time.time()
+    trainer = make_trainer(args.backend, json.loads(args.backend_config), spec)
     marks["trainer_ready"] = time.time()
     stats = trainer.train(num_steps=spec.steps)
     marks["train_done"] = time.time()
     summaries = trainer.apply_all_operators(_summary)
+    phases = phase_marks(trainer)
+    marks.update(phases.pop("marks"))
     trainer.shutdown()
     marks["shutdown_done"] = time.time()
     out = Path(args.result_dir)
     for summary in summaries:
         (out / f"rank{summary['rank']}.json").write_text(json.dumps(summary))
-    driver = {"marks": marks, "stats": {k: v for k, v in stats.items() if _plain(v)}}
+    driver = {"marks": marks, "stats": {k: v for k, v in stats.items() if _plain(v)}, **phases}
     (out / "driver.json").write_text(json.dumps(driver))
 
 

@@ -62,7 +62,7 @@ def _zero_params(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
     return [p for p in params if hasattr(p, "ds_id")]
 
 
-def _param_shape(param: torch.nn.Parameter) -> torch.Size:
+def param_shape(param: torch.nn.Parameter) -> torch.Size:
     return param.ds_shape if hasattr(param, "ds_shape") else param.shape
 
 
@@ -86,7 +86,7 @@ def full_model_state(state: EngineState, ctx: WorkerContext) -> dict[str, torch.
         for name, param in module.named_parameters(remove_duplicate=False):
             full = safe_get_full_fp32_param(param)
             if full is not None and ctx.world_rank == 0:
-                local[name] = full.detach().reshape(_param_shape(param)).to("cpu", torch.float32)
+                local[name] = full.detach().reshape(param_shape(param)).to("cpu", torch.float32)
     if ctx.world_rank != 0:
         return None
     return {
@@ -95,7 +95,7 @@ def full_model_state(state: EngineState, ctx: WorkerContext) -> dict[str, torch.
     }
 
 
-def _flat_partitions(ds_optimizer: Any) -> list[torch.Tensor]:
+def flat_partitions(ds_optimizer: Any) -> list[torch.Tensor]:
     """This rank's fp32 flat partitions, the tensors ZeRO's inner optimizer keeps state for.
 
     Stage 3 empties the inner optimizer's param groups between steps, so they are
@@ -108,10 +108,10 @@ def _flat_partitions(ds_optimizer: Any) -> list[torch.Tensor]:
     return [p for group in ds_optimizer.optimizer.param_groups for p in group["params"]]
 
 
-def _flat_state_keys(ds_optimizer: Any) -> tuple[list[str], dict[str, Any]]:
+def flat_state_keys(ds_optimizer: Any) -> tuple[list[str], dict[str, Any]]:
     """Per-tensor state keys and scalar entries of ZeRO's inner optimizer (same on every rank)."""
     inner = ds_optimizer.optimizer
-    for flat in _flat_partitions(ds_optimizer):
+    for flat in flat_partitions(ds_optimizer):
         entry = inner.state.get(flat)
         if entry:
             tensors = sorted(
@@ -124,7 +124,7 @@ def _flat_state_keys(ds_optimizer: Any) -> tuple[list[str], dict[str, Any]]:
     return [], {}
 
 
-def _torch_param_groups(state: EngineState) -> list[dict[str, Any]]:
+def torch_param_groups(state: EngineState) -> list[dict[str, Any]]:
     groups, index = [], 0
     for group, params in zip(state.user_optimizer.param_groups, state.param_groups, strict=True):
         entry = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
@@ -132,6 +132,18 @@ def _torch_param_groups(state: EngineState) -> list[dict[str, Any]]:
         index += len(params)
         groups.append(entry)
     return groups
+
+
+def relink_optimizer_state(ds_optimizer: Any) -> None:
+    """Point every parameter's ZeRO 1/2 fragment at the optimizer state as it is now.
+
+    DeepSpeed links the fragments once, at the first step; param groups whose state
+    did not exist yet then keep no fragment, and ``safe_get_full_optimizer_state``
+    fails for them. Linking again is cheap (views only).
+    """
+    if hasattr(ds_optimizer, "_hp_optimizer_states_linked"):
+        ds_optimizer._hp_optimizer_states_linked = False
+        ds_optimizer._lazy_init_hp_params_optimizer_state()
 
 
 def full_optimizer_state(state: EngineState) -> dict[str, Any] | None:
@@ -147,18 +159,19 @@ def full_optimizer_state(state: EngineState) -> dict[str, Any] | None:
         return None
     from deepspeed.utils import safe_get_full_optimizer_state
 
-    tensor_keys, scalars = _flat_state_keys(engine.optimizer)
+    relink_optimizer_state(engine.optimizer)
+    tensor_keys, scalars = flat_state_keys(engine.optimizer)
     per_param: dict[int, dict[str, Any]] = {}
     for index, param in enumerate(state.params):
         entry: dict[str, Any] = {}
         for key in tensor_keys:  # collective: every rank, same order
             full = safe_get_full_optimizer_state(param, key)
             if full is not None:
-                entry[key] = full.detach().reshape(_param_shape(param)).to("cpu", copy=True)
+                entry[key] = full.detach().reshape(param_shape(param)).to("cpu", copy=True)
         if entry:
             entry.update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
             per_param[index] = entry
-    return {"state": per_param, "param_groups": _torch_param_groups(state)}
+    return {"state": per_param, "param_groups": torch_param_groups(state)}
 
 
 # -------------------------------------------------------------------- load
@@ -208,7 +221,7 @@ def load_optimizer_state(state: EngineState, saved: dict[str, Any] | None) -> No
         )
         return
     saved_groups = saved.get("param_groups") or []
-    _check_param_groups(state, saved_groups)
+    check_param_groups(state, saved_groups)
     # Hyperparameters (lr, betas, ...) come from the checkpoint, as in torch's load_state_dict.
     for group, saved_group in zip(state.user_optimizer.param_groups, saved_groups, strict=True):
         group.update({k: copy.deepcopy(v) for k, v in saved_group.items() if k != "params"})
@@ -217,7 +230,7 @@ def load_optimizer_state(state: EngineState, saved: dict[str, Any] | None) -> No
         _load_per_param_state(state, per_param)
 
 
-def _check_param_groups(state: EngineState, saved_groups: list[dict[str, Any]]) -> None:
+def check_param_groups(state: EngineState, saved_groups: list[dict[str, Any]]) -> None:
     if len(saved_groups) != len(state.param_groups) or any(
         len(g["params"]) != len(p) for g, p in zip(saved_groups, state.param_groups, strict=False)
     ):
@@ -237,7 +250,7 @@ def _load_per_param_state(state: EngineState, per_param: dict[int, dict[str, Any
     inner = state.engine.optimizer.optimizer
     # A fresh ZeRO optimizer has no state yet: create it on the flat partitions, then
     # fill in each parameter's slice.
-    for flat in _flat_partitions(state.engine.optimizer):
+    for flat in flat_partitions(state.engine.optimizer):
         entry = inner.state[flat]
         for key in tensor_keys:
             if key not in entry:

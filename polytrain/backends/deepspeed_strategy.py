@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from polytrain.backends import deepspeed_shards
 from polytrain.backends.context import Components, WorkerContext
 from polytrain.backends.deepspeed_env import (
     import_deepspeed,
@@ -31,6 +32,7 @@ from polytrain.backends.deepspeed_state import (
     load_optimizer_state,
 )
 from polytrain.backends.precision import Precision
+from polytrain.backends.shard_state import LocalState, ShardReader, gathered_local_state, load_whole
 from polytrain.backends.strategy import TorchStrategy
 from polytrain.errors import ConfigError
 
@@ -172,3 +174,24 @@ class DeepSpeedStrategy(TorchStrategy):
         load_model_state(current, model_state)
         optimizer_states = state.get("optimizers") or [None]
         load_optimizer_state(current, optimizer_states[0])
+
+    def sharded_state_dict(self, components: Components, ctx: WorkerContext) -> LocalState:
+        """Worker: this rank's ZeRO partitions of weights and optimizer state (no gather).
+
+        Stage 0 partitions nothing: rank 0 saves the consolidated state. See
+        :mod:`polytrain.backends.deepspeed_shards`.
+        """
+        state = engine_state(components)
+        if state.stage == 0:
+            return gathered_local_state(self, components, ctx)
+        return deepspeed_shards.local_state(state, ctx)
+
+    def load_sharded_state_dict(
+        self, components: Components, reader: ShardReader, ctx: WorkerContext
+    ) -> None:
+        """Worker: load a sharded checkpoint from any backend into this rank's partitions."""
+        state = engine_state(components)
+        if state.stage == 0:
+            load_whole(self, components, reader, ctx)
+            return
+        deepspeed_shards.load(state, reader)

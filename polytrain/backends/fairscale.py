@@ -36,6 +36,13 @@ from polytrain.backends.base import Backend, BackendConfig
 from polytrain.backends.context import Components, WorkerContext
 from polytrain.backends.ddp import buffer_sync_kwargs
 from polytrain.backends.precision import Precision, default_precision
+from polytrain.backends.shard_state import (
+    LocalState,
+    ShardReader,
+    gathered_local_state,
+    load_whole,
+    replicated_local_state,
+)
 from polytrain.backends.strategy import TorchStrategy
 from polytrain.backends.torch_distributed import TorchDistributedRendezvous, module_device_ids
 from polytrain.errors import ConfigError
@@ -275,6 +282,26 @@ class FairscaleStrategy(TorchStrategy):
         ):
             if optimizer_state is not None:
                 fairscale_state.load_optimizer_shard(optimizer, model, optimizer_state, fsdp_mode)
+
+    def sharded_state_dict(self, components: Components, ctx: WorkerContext) -> LocalState:
+        """Worker: replicated models and this rank's OSS shard, as they are (no gather).
+
+        fairscale's FSDP (mode "fsdp") and local mode gather or copy the full state.
+        """
+        if not _sharding.shards(ctx):
+            return replicated_local_state(self, components, ctx)
+        if self.config.mode == "fsdp":
+            return gathered_local_state(self, components, ctx)
+        return fairscale_state.oss_local_state(self, components, ctx)
+
+    def load_sharded_state_dict(
+        self, components: Components, reader: ShardReader, ctx: WorkerContext
+    ) -> None:
+        """Worker: whole models, and only this rank's OSS shard of each optimizer state."""
+        if not _sharding.shards(ctx) or self.config.mode == "fsdp":
+            load_whole(self, components, reader, ctx)
+            return
+        fairscale_state.oss_load(self, components, reader)
 
 
 class FairscaleBackend(Backend):

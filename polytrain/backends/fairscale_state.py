@@ -14,6 +14,18 @@ from typing import Any
 
 import torch
 
+from polytrain.backends.shard_state import (
+    LocalState,
+    Piece,
+    ShardReader,
+    local_optimizer_state,
+    model_pieces,
+    optimizer_pieces,
+    optimizer_skeleton,
+    whole_model_state,
+    whole_piece,
+)
+
 
 def consolidate_oss_states(optimizers: list[Any], rank: int) -> list[dict[str, Any]]:
     """Worker (every rank, collective): the full states of ``OSS`` optimizers, on rank 0.
@@ -128,3 +140,61 @@ def fsdp_shard_format(model: torch.nn.Module, state: dict[str, Any]) -> dict[str
         "param_id_map": param_id_map,
         "uncollected_local_ids": [],
     }
+
+
+# ----------------------------------------------------------- sharded checkpoints
+def oss_local_state(strategy: Any, components: Any, ctx: Any) -> LocalState:
+    """Worker: the models (replicated) and this rank's OSS optimizer shard, as they are (no gather).
+
+    OSS keeps the whole state of the parameters a rank owns (``optimizer.optim``);
+    each such tensor is a whole-tensor piece only its owner writes.
+    """
+    pieces: list[Piece] = []
+    model_skeletons = []
+    for index, model in enumerate(components.models):
+        state = strategy.unwrap_model(model).state_dict()
+        pieces += model_pieces(index, state, replicated=True)
+        model_skeletons.append({k: v for k, v in state.items() if not torch.is_tensor(v)})
+    for index, optimizer in enumerate(components.optimizers):
+        inner = getattr(optimizer, "optim", None)
+        if inner is None:  # not an OSS optimizer: a full, replicated copy
+            pieces += optimizer_pieces(index, optimizer.state_dict(), replicated=True)
+            continue
+        position = {id(p): i for i, p in enumerate(_params(optimizer))}
+        for param, state in inner.state.items():
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    path = ("optimizers", index, "state", position[id(param)], key)
+                    pieces.append(whole_piece(path, value, replicated=False))
+    skeleton = None
+    if ctx.world_rank == 0:
+        skeleton = {
+            "models": model_skeletons,
+            "optimizers": [optimizer_skeleton(o.param_groups) for o in components.optimizers],
+        }
+    return LocalState(pieces=pieces, skeleton=skeleton)
+
+
+def oss_load(strategy: Any, components: Any, reader: ShardReader) -> None:
+    """Worker: load the models whole and, into each OSS optimizer, only the state this rank owns."""
+    for index, model in enumerate(components.models):
+        strategy.unwrap_model(model).load_state_dict(whole_model_state(reader, index))
+    for index, optimizer in enumerate(components.optimizers):
+        params = _params(optimizer)
+        owner = getattr(optimizer, "_param_to_rank", None)
+        wanted = {
+            i: None
+            for i, param in enumerate(params)
+            if owner is None or owner[param] == optimizer.rank
+        }
+        state = local_optimizer_state(reader, index, wanted)
+        if state is None:
+            continue
+        optimizer.load_state_dict(state)
+        if owner is not None:
+            # OSS also fills its outer state; only the inner optimizer's is used.
+            optimizer.state.clear()
+
+
+def _params(optimizer: Any) -> list[torch.nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]

@@ -29,10 +29,16 @@ from typing import Any
 
 import torch
 
-from polytrain.backends import _sharding
+from polytrain.backends import _sharding, fsdp_state
 from polytrain.backends.base import Backend, BackendConfig
 from polytrain.backends.context import Components, WorkerContext
 from polytrain.backends.precision import Precision, default_precision
+from polytrain.backends.shard_state import (
+    LocalState,
+    ShardReader,
+    load_whole,
+    replicated_local_state,
+)
 from polytrain.backends.strategy import TorchStrategy
 from polytrain.backends.torch_distributed import TorchDistributedRendezvous
 from polytrain.errors import CheckpointError, ConfigError, ConfigTypeError
@@ -275,6 +281,24 @@ class FSDPStrategy(TorchStrategy):
             for param, name in zip(params, names, strict=True):
                 if name not in by_name["state"]:
                     optimizer.state.pop(param, None)
+
+    def sharded_state_dict(self, components: Components, ctx: WorkerContext) -> LocalState:
+        """Worker: this rank's shards of the models and optimizers, as they are (no gather).
+
+        See :mod:`polytrain.backends.fsdp_state`.
+        """
+        if not _sharding.shards(ctx):
+            return replicated_local_state(self, components, ctx)
+        return fsdp_state.fsdp_local_state(self._owned(components), components, ctx)
+
+    def load_sharded_state_dict(
+        self, components: Components, reader: ShardReader, ctx: WorkerContext
+    ) -> None:
+        """Worker: read only this rank's ranges of a sharded checkpoint from any backend."""
+        if not _sharding.shards(ctx):
+            load_whole(self, components, reader, ctx)
+            return
+        fsdp_state.fsdp_load(self._owned(components), components, reader)
 
     @staticmethod
     def _state_dict_options(ctx: WorkerContext, saving: bool) -> Any:

@@ -10,6 +10,8 @@ GradScaler on GPU, bf16 autocast on CPU).
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +68,7 @@ class HorovodStrategy(TorchStrategy):
             )
         op = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}[self.config.op]
         compression = self._compression(hvd, ctx)
+        originals = components.optimizers
         components.optimizers = [
             hvd.DistributedOptimizer(
                 optimizer,
@@ -74,8 +77,9 @@ class HorovodStrategy(TorchStrategy):
                 backward_passes_per_step=self.config.backward_passes_per_step,
                 op=op,
             )
-            for index, optimizer in enumerate(components.optimizers)
+            for index, optimizer in enumerate(originals)
         ]
+        _retarget_schedulers(components.schedulers, originals, components.optimizers)
         components.extra[_ACCUM_KEY] = 0
         self._broadcast_from_rank0(components, ctx)
         return components
@@ -225,6 +229,44 @@ def _named_parameters(
         for p, param in enumerate(group["params"]):
             named.append((names.get(id(param), f"optimizer{index}.group{g}.param{p}"), param))
     return named
+
+
+def _retarget_schedulers(
+    schedulers: Sequence[Any], originals: Sequence[Any], wrapped: Sequence[Any]
+) -> None:
+    """Point LR schedulers built on the user's optimizers at Horovod's wrappers.
+
+    ``hvd.DistributedOptimizer`` returns a new optimizer object that shares the
+    param groups (so learning-rate changes still reach it) but not the ``step``
+    that the scheduler patched to notice ``optimizer.step()`` calls: the
+    scheduler's first ``step()`` would warn "Detected call of lr_scheduler.step()
+    before optimizer.step()" although the order is right. Re-pointing the
+    scheduler and counting the wrapper's steps the way torch does keeps that
+    check (and ``scheduler.optimizer``) truthful.
+    """
+    by_id = {id(o): w for o, w in zip(originals, wrapped, strict=True)}
+    for scheduler in schedulers:
+        target = by_id.get(id(getattr(scheduler, "optimizer", None)))
+        if target is None:
+            continue
+        scheduler.optimizer = target
+        if not hasattr(target.step, "_wrapped_by_lr_sched"):
+            target.step = _counting_step(target)
+
+
+def _counting_step(optimizer: Any) -> Any:
+    """``optimizer.step`` that records the call as torch's LR scheduler expects."""
+    step = type(optimizer).step
+    ref = weakref.ref(optimizer)
+
+    @functools.wraps(step)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        opt = ref()
+        opt._opt_called = True  # what LRScheduler.step checks on its first call
+        return step(opt, *args, **kwargs)
+
+    counted._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return counted
 
 
 def _reduces_cuda_tensors(hvd: Any) -> bool:

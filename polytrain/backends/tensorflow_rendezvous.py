@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from polytrain.backends.rendezvous import Rendezvous
+from polytrain.compat import quiet
 from polytrain.compat.keras import LEGACY_KERAS_ENV
 from polytrain.errors import ConfigError
 from polytrain.launchers.worker import find_free_port
@@ -132,6 +133,18 @@ def _set_env(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
+def _connect_worker(env: dict[str, str]) -> None:
+    """Worker: take the cluster's environment, then import TensorFlow (quietly unless verbose).
+
+    TensorFlow reads ``TF_CONFIG`` when the strategy is created, not on import, so
+    importing here is safe; it keeps the C++ runtime's start-up lines, written
+    before its log level applies, out of the driver's console.
+    """
+    _set_env(env)
+    quiet.install()
+    quiet.quiet_import_tensorflow()
+
+
 # ----------------------------------------------------------------- rendezvous
 def cluster_addresses(group: WorkerGroup) -> list[str]:
     """Driver: ``host:port`` of every worker of ``group``, in rank order, on free ports.
@@ -165,8 +178,12 @@ class TFConfigRendezvous(Rendezvous):
     """
 
     def worker_env_vars(self) -> dict[str, str]:
-        """Driver: every worker starts with ``TF_USE_LEGACY_KERAS=1`` (before TensorFlow loads)."""
-        return dict(LEGACY_KERAS_ENV)
+        """Driver: every worker starts with ``TF_USE_LEGACY_KERAS=1`` (before TensorFlow loads).
+
+        Unless ``POLYTRAIN_VERBOSE`` is set, also with TensorFlow's C++ logging turned
+        down (``TF_CPP_MIN_LOG_LEVEL``; see :mod:`polytrain.compat.quiet`).
+        """
+        return {**LEGACY_KERAS_ENV, **quiet.worker_env()}
 
     def on_start(self, group: WorkerGroup, ctx: WorkerContext) -> None:
         """Driver: give every worker its ``TF_CONFIG`` (and, on GPU, only its own GPU).
@@ -181,7 +198,7 @@ class TFConfigRendezvous(Rendezvous):
         refs = [
             group.execute_single_async(
                 rank,
-                _set_env,
+                _connect_worker,
                 worker_env(addresses, rank, group.metadata[rank].gpu_ids, ctx.use_gpu),
             )
             for rank in range(len(addresses))

@@ -112,4 +112,14 @@ class WorkerGroup(abc.ABC):
 
     @abc.abstractmethod
     def shutdown(self) -> None:
-        """Stop every worker and release its resources. Safe to call twice."""
+        """Release the workers. Safe to call twice.
+
+        A Ray group whose workers are healthy hands them to the warm pool
+        (:mod:`polytrain.launchers.pool`), which keeps them ready for the next group
+        of the same shape and stops them after its idle timeout; otherwise, and
+        whenever the pool is off, the workers are stopped and their resources freed.
+        """
+
+    def terminate(self) -> None:
+        """Stop every worker now and free its resources, never keeping them warm (Ctrl+C)."""
+        self.shutdown()

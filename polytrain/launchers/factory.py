@@ -6,6 +6,7 @@ the same way. Ray is imported only for a Ray group: local mode never touches it.
 
 from __future__ import annotations
 
+from polytrain.launchers.autoscaler import START_TIMEOUT_S
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.local import LocalWorkerGroup
 from polytrain.launchers.scaling import ScalingConfig
@@ -37,7 +38,14 @@ def make_group(
     from polytrain.launchers.connect import ensure_ray
     from polytrain.launchers.worker_group import RayWorkerGroup
 
-    ensure_ray(scaling.address, timeout_s=scaling.start_timeout_s)
+    connect_timeout = (
+        START_TIMEOUT_S if scaling.start_timeout_s is None else scaling.start_timeout_s
+    )
+    ensure_ray(scaling.address, timeout_s=connect_timeout)
+    from polytrain.compat import quiet
+
+    # The workers are as quiet (or verbose) as the driver from their first import on.
+    env_vars = {**quiet.worker_env(), **(env_vars or {})}
     return RayWorkerGroup(
         num_workers=scaling.num_workers if num_workers is None else num_workers,
         num_cpus_per_worker=scaling.num_cpus_per_worker,

@@ -68,6 +68,8 @@ class ScalingConfig:
         placement_strategy: "PACK" (default: as few nodes as possible), "SPREAD",
             "STRICT_PACK" or "STRICT_SPREAD".
         start_timeout_s: fail if the workers cannot be placed within this many seconds.
+            None (the default): 30 s, or 15 minutes where an autoscaler may add nodes
+            for them (node start-up takes minutes).
         address: the Ray cluster to join ("auto", "ray://...", host:port); None uses a
             running instance or starts a local one.
         min_workers: elastic training: after a failure, go on with as many workers as
@@ -86,7 +88,7 @@ class ScalingConfig:
     num_cpus_per_worker: float = 1
     resources_per_worker: dict[str, float] | None = None
     placement_strategy: str = "PACK"
-    start_timeout_s: float = 30.0
+    start_timeout_s: float | None = None
     address: str | None = None
     min_workers: int | None = None
     num_gpus_per_worker: float | None = None
@@ -104,7 +106,7 @@ class ScalingConfig:
             raise ConfigTypeError(f"use_gpu must be True or False; got {self.use_gpu!r}.")
         check_number("num_cpus_per_worker", self.num_cpus_per_worker, 0)
         check_number("num_gpus_per_worker", self.num_gpus_per_worker, 0, allow_none=True)
-        check_number("start_timeout_s", self.start_timeout_s, 0)
+        check_number("start_timeout_s", self.start_timeout_s, 0, allow_none=True)
         self._fold_resources()
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ConfigError(

@@ -10,17 +10,24 @@ answers progress and stack-dump requests while that thread is busy or stuck.
 from __future__ import annotations
 
 import faulthandler
+import gc
+import importlib
 import io
+import logging
 import os
 import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from polytrain.compat import quiet
+from polytrain.launchers import worker_reset
 from polytrain.launchers.ranks import WorkerMetadata
+
+logger = logging.getLogger(__name__)
 
 #: Per-process state shared by the functions a worker executes (e.g. the operator).
 WORKER_STATE: dict[str, Any] = {}
@@ -28,6 +35,10 @@ WORKER_STATE: dict[str, Any] = {}
 _training_thread: int | None = None  # ident of the thread that runs ``execute``
 _progress_lock = threading.Lock()
 _progress: dict[str, Any] = {"phase": "idle", "step": 0, "total": None, "updated": time.time()}
+
+#: Wall-clock marks of this process's start (``actor_init``, ``preload_done``) and the
+#: seconds each pre-imported module took (``import:<name>``): the cold-start profile.
+STARTUP: dict[str, float] = {}
 
 
 def report_progress(
@@ -42,6 +53,13 @@ def report_progress(
         _progress["updated"] = time.time()
 
 
+def clear_progress() -> None:
+    """Forget every progress record: the worker is idle at step 0 (a reused worker)."""
+    with _progress_lock:
+        _progress.clear()
+        _progress.update({"phase": "idle", "step": 0, "total": None, "updated": time.time()})
+
+
 def read_progress() -> dict[str, Any]:
     """A copy of this worker's latest progress record."""
     with _progress_lock:
@@ -54,6 +72,26 @@ def find_free_port() -> int:
         sock.bind(("", 0))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         return sock.getsockname()[1]
+
+
+def preload_modules(modules: Sequence[str]) -> None:
+    """Import ``modules`` in order, recording the seconds each takes in :data:`STARTUP`.
+
+    A module that fails to import is skipped (the code that needs it reports the
+    error with its own context).
+    """
+    for name in modules:
+        start = time.perf_counter()
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - reported by whoever really needs the module
+            logger.debug("pre-import of %s failed", name, exc_info=True)
+            continue
+        STARTUP[f"import:{name}"] = time.perf_counter() - start
+    worker_reset.note_torch_threads()
+    gc.collect()
+    gc.freeze()  # library objects live as long as the process: collections need not scan them
+    STARTUP["preload_done"] = time.time()
 
 
 def format_all_stacks() -> str:
@@ -75,10 +113,29 @@ def format_all_stacks() -> str:
 
 
 class Worker:
-    """A worker process (made a Ray actor by the worker group)."""
+    """A worker process (made a Ray actor by the worker group).
 
-    def __init__(self, env_vars: dict[str, str] | None = None, niceness: int | None = None) -> None:
+    Args:
+        env_vars: environment variables set on top of the process's own.
+        niceness: CPU priority to take (Ray starts workers at a lower one).
+        preload: modules to import in a background thread right away (torch, the
+            backend's libraries), overlapping the driver's remaining set-up. Calls to
+            :meth:`execute` wait for it: imports never run on two threads at once.
+    """
+
+    def __init__(
+        self,
+        env_vars: dict[str, str] | None = None,
+        niceness: int | None = None,
+        preload: Sequence[str] = (),
+    ) -> None:
+        STARTUP["actor_init"] = time.time()
+        worker_reset.record_start_state()
+        self._reuse_blocker: str | None = None
         os.environ.update(env_vars or {})
+        # Third-party noise (DeepSpeed notices, torch deprecations raised inside
+        # frameworks) stays out of the driver's console unless POLYTRAIN_VERBOSE=1.
+        quiet.install()
         if niceness is not None:
             # Ray starts workers at a lower CPU priority than the driver; a training
             # worker should compete on equal terms with a torchrun process.
@@ -87,12 +144,53 @@ class Worker:
             except OSError:
                 pass
         faulthandler.enable()
+        self._preload: threading.Thread | None = None
+        if preload:
+            self._preload = threading.Thread(
+                target=preload_modules,
+                args=(tuple(preload),),
+                name="polytrain-preload",
+                daemon=True,
+            )
+            self._preload.start()
+
+    def _wait_for_preload(self) -> None:
+        if self._preload is not None:
+            self._preload.join()
+            self._preload = None
 
     def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` in this process and return its result."""
         global _training_thread
+        self._wait_for_preload()
         _training_thread = threading.get_ident()
         return fn(*args, **kwargs)
+
+    # Warm pool: release and reuse (see polytrain.launchers.pool).
+    def reset(self) -> str | None:
+        """Return this process to its start state for the next group; None when reusable.
+
+        See :mod:`polytrain.launchers.worker_reset` for what is undone. Returns why the
+        process cannot be reused instead (the pool then stops it).
+        """
+        self._wait_for_preload()
+        self._reuse_blocker = worker_reset.reset_process(WORKER_STATE)
+        clear_progress()
+        return self._reuse_blocker
+
+    def reuse(self, env_vars: dict[str, str] | None = None) -> WorkerMetadata | None:
+        """Take this reset process into a new group: set its environment; return its metadata.
+
+        Returns None when the last :meth:`reset` found the process unfit for reuse.
+        """
+        if self._reuse_blocker is not None:
+            return None
+        os.environ.update(env_vars or {})
+        return self.metadata()
+
+    def startup_timings(self) -> dict[str, float]:
+        """:data:`STARTUP`: when this process started, and its pre-imports' durations."""
+        return dict(STARTUP)
 
     def metadata(self) -> WorkerMetadata:
         """Where this worker runs."""

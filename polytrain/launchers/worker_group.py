@@ -10,26 +10,25 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from polytrain.errors import (
-    ConfigError,
-    InsufficientResourcesError,
-    WorkerDiedError,
-    WorkerError,
-    worker_error_like,
+from polytrain.errors import ConfigError, WorkerDiedError, WorkerError
+from polytrain.launchers import autoscaler, base, pool
+from polytrain.launchers.connect import ensure_ray
+from polytrain.launchers.placement import (
+    check_feasible,
+    classify_failure,
+    not_placed_error,
+    trial_placement_group,
+    wait_until_placed,
 )
-from polytrain.launchers import autoscaler, base
-from polytrain.launchers.connect import ensure_ray, format_resources
 from polytrain.launchers.ranks import (
     RankInfo,
     WorkerMetadata,
@@ -47,31 +46,6 @@ logger = logging.getLogger(__name__)
 _MONITOR = "monitor"
 
 
-_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _describe_failure(exc: BaseException, rank: int, meta: WorkerMetadata | None) -> WorkerError:
-    where = f" (pid {meta.pid} on {meta.node_ip})" if meta else ""
-    if isinstance(exc, RayActorError):
-        return WorkerDiedError(
-            f"Worker rank {rank}{where} died: {exc}", rank=rank, remote_traceback=str(exc)
-        )
-    if isinstance(exc, RayTaskError):
-        cause = exc.as_instanceof_cause()
-        remote_tb = _ANSI_ESCAPE.sub("", str(exc))
-        # Also an instance of the user's exception class, so `except ValueError` still works.
-        error = worker_error_like(
-            exc.cause,
-            f"Worker rank {rank}{where} raised {exc.cause.__class__.__name__}: {exc.cause}\n\n"
-            f"Remote traceback (rank {rank}):\n{remote_tb}",
-            rank=rank,
-            remote_traceback=remote_tb,
-        )
-        error.__cause__ = cause
-        return error
-    return WorkerError(f"Worker rank {rank}{where} failed: {exc!r}", rank=rank)
-
-
 class RayWorkerGroup(base.WorkerGroup):
     """A group of :class:`Worker` actors placed together in one placement group.
 
@@ -84,8 +58,16 @@ class RayWorkerGroup(base.WorkerGroup):
         num_gpus_per_worker: GPUs reserved for each actor (0 or 1 for training).
         resources_per_worker: extra custom resources per actor.
         placement_strategy: one of "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD".
-        start_timeout_s: fail if the workers cannot be placed within this time.
+        start_timeout_s: fail if the workers cannot be placed within this time; None:
+            30 s, or minutes when an autoscaler may add nodes for them.
         env_vars: environment every worker starts with.
+        preload: modules new workers import in the background as soon as they start
+            (torch, the backend's libraries), while the driver goes on setting up;
+            None: the pool settings' ``preload``.
+
+    Workers come from the warm pool (:mod:`polytrain.launchers.pool`) when it holds
+    a group of this shape (:attr:`reused`) and go back to it on a healthy
+    :meth:`shutdown`. :attr:`timings`: wall-clock marks of :meth:`start`.
 
     Raises:
         ConfigError: an unknown ``placement_strategy``.
@@ -98,8 +80,9 @@ class RayWorkerGroup(base.WorkerGroup):
         num_gpus_per_worker: float = 0,
         resources_per_worker: dict[str, float] | None = None,
         placement_strategy: str = "PACK",
-        start_timeout_s: float = 30.0,
+        start_timeout_s: float | None = None,
         env_vars: dict[str, str] | None = None,
+        preload: Sequence[str] | None = None,
     ) -> None:
         if placement_strategy not in PLACEMENT_STRATEGIES:
             raise ConfigError(
@@ -114,6 +97,7 @@ class RayWorkerGroup(base.WorkerGroup):
         self.placement_strategy = placement_strategy
         self.start_timeout_s = start_timeout_s
         self.env_vars = dict(env_vars or {})
+        self.preload = tuple(pool.get_settings().preload if preload is None else preload)
         self.actors: list[Any] = []
         self.metadata: list[WorkerMetadata] = []
         self.rank_infos: list[RankInfo] = []
@@ -121,53 +105,68 @@ class RayWorkerGroup(base.WorkerGroup):
         self._autoscaling: autoscaler.ClusterShape | None = None
         self._placement_group = None
         self._owns_placement_group = True
+        self.reused = False
+        self.timings: dict[str, float] = {}
+        self._pool_key: pool.PoolKey | None = None
+        self._unhealthy = False  # a call failed or was abandoned: never pool these actors
+        self._waiting = 0  # get() calls in progress: shutting down now abandons them
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
-        """Place and start the actors, then learn where each runs.
+        """Take a warm group from the pool, or place and start new actors; learn where each runs.
 
-        Inside a placement group with a bundle per worker (a Ray Tune trial with the
-        trainable's PlacementGroupFactory), the workers go into the last n bundles of
-        that group instead of a new one, which could never be placed while the trial
-        holds the resources.
+        Inside a Tune trial's placement group (see :func:`trial_placement_group`) the
+        workers take its last n bundles instead of a new group's.
 
         Raises:
             InsufficientResourcesError: the workers cannot be placed within ``start_timeout_s``.
             WorkerDiedError: an actor died (or never answered) while starting.
         """
+        self.timings = {"start": time.time()}
+        self._unhealthy = False
+        self.reused = self._start_warm()
+        if not self.reused:
+            self._start_cold()
+        self.rank_infos = compute_ranks([m.node_id for m in self.metadata])
+        self._assign_devices()
+        self.timings["ready"] = time.time()
+
+    def _start_cold(self) -> None:
         first_bundle = self._reserve_bundles()
-        self._wait_until_placed()
+        # Actors are created at once: Ray starts them as soon as the bundles are placed.
         actors = self._start_actors(first_bundle)
+        self._wait_until_placed()
+        self.timings["placed"] = time.time()
         metadata = self._read_metadata(actors)
+        self.timings["actors_ready"] = time.time()
         # Co-located workers get contiguous ranks: local ranks follow from world ranks.
         order = order_by_node([m.node_id for m in metadata])
         self.actors = [actors[i] for i in order]
         self.metadata = [metadata[i] for i in order]
-        self.rank_infos = compute_ranks([m.node_id for m in self.metadata])
-        self._assign_devices()
+
+    def _start_warm(self) -> bool:
+        """Adopt a pooled group of this shape; False when there is none (or it is unfit)."""
+        if not pool.is_enabled():
+            return False
+        self._pool_key = pool.PoolKey.of(self, trial_placement_group(self.num_workers))
+        taken = pool.POOL.take_ready(self._pool_key, self.env_vars)
+        if taken is None:
+            return False
+        idle, self.metadata = taken
+        self.actors = list(idle.actors)
+        self._placement_group = idle.placement_group
+        self._owns_placement_group = idle.owns_placement_group
+        self.timings["placed"] = self.timings["actors_ready"] = time.time()
+        return True
 
     def _requested(self) -> str:
         return f"{self.num_workers} worker(s) x {self.bundle} ({self.placement_strategy})"
 
-    def _check_feasible(self) -> None:
-        total = ray.cluster_resources()
-        for resource, amount in self.bundle.items():
-            if total.get(resource, 0.0) < amount:
-                raise InsufficientResourcesError(
-                    f"Requested {self._requested()}, but the Ray cluster has "
-                    f"{total.get(resource, 0.0):g} {resource} in total, so no worker can "
-                    f"ever be placed. Cluster resources: {format_resources(total)}. "
-                    + (
-                        "Set use_gpu=False or add GPU nodes."
-                        if resource == "GPU"
-                        else "Lower the per-worker resources or add nodes."
-                    )
-                )
-
     def _reserve_bundles(self) -> int:
         """Set :attr:`_placement_group` (the trial's own, or a new one); return the first bundle index."""
-        current = ray.util.get_current_placement_group()
-        if current is not None and len(current.bundle_specs) >= self.num_workers:
+        current = trial_placement_group(self.num_workers)
+        self._pool_key = pool.PoolKey.of(self, current)
+        if current is not None:
             # The workers take the last n bundles: Tune puts the trainable's bundle first,
             # and drops it when the trainable reserves nothing.
             self._placement_group, self._owns_placement_group = current, False
@@ -178,7 +177,9 @@ class RayWorkerGroup(base.WorkerGroup):
             self.bundle, self.num_workers, self.placement_strategy, self._requested()
         )
         if self._autoscaling is None:
-            self._check_feasible()
+            check_feasible(self.bundle, self._requested())
+        needed = {k: v * self.num_workers for k, v in self.bundle.items()}
+        pool.POOL.make_room(needed, ray.available_resources())  # idle workers make way
         self._placement_group = placement_group(
             [dict(self.bundle) for _ in range(self.num_workers)],
             strategy=self.placement_strategy,
@@ -187,29 +188,20 @@ class RayWorkerGroup(base.WorkerGroup):
         return 0
 
     def _wait_until_placed(self) -> None:
-        timeout = autoscaler.start_timeout(self.start_timeout_s, self._autoscaling)
-        if self._autoscaling is None:
-            placed = bool(ray.wait([self._placement_group.ready()], timeout=timeout)[0])
-        else:
-            placed = autoscaler.wait_for_nodes(
-                self._placement_group.ready(),
-                timeout,
-                self.bundle,
-                self.num_workers,
-                self._autoscaling,
-                log=lambda line: print(line, file=sys.stderr, flush=True),
-            )
+        placed = wait_until_placed(
+            self._placement_group.ready(),
+            self.start_timeout_s,
+            self.bundle,
+            self.num_workers,
+            self._autoscaling,
+        )
         if placed:
             return
-        available = ray.available_resources()
-        total = ray.cluster_resources()
+        used = autoscaler.start_timeout(self.start_timeout_s, self._autoscaling)
+        error = not_placed_error(self._requested(), used)
+        self._unhealthy = True
         self.shutdown()
-        raise InsufficientResourcesError(
-            f"Could not place {self._requested()} within start_timeout_s="
-            f"{self.start_timeout_s:g}s. Available now: {format_resources(available)}; cluster total: "
-            f"{format_resources(total)}. Lower num_workers or the per-worker resources, free the "
-            f"cluster, add nodes, or raise start_timeout_s."
-        )
+        raise error
 
     def _start_actors(self, first_bundle: int) -> list[Any]:
         remote_cls = ray.remote(concurrency_groups={_MONITOR: 2})(Worker)
@@ -225,15 +217,19 @@ class RayWorkerGroup(base.WorkerGroup):
                     placement_group_bundle_index=first_bundle + i,
                 ),
                 max_restarts=0,
-            ).remote(self.env_vars, niceness)
+            ).remote(self.env_vars, niceness, self.preload)
             for i in range(self.num_workers)
         ]
         return self.actors
 
     def _read_metadata(self, actors: list[Any]) -> list[WorkerMetadata]:
         try:
-            return ray.get([a.metadata.remote() for a in actors], timeout=self.start_timeout_s + 60)
+            return ray.get(
+                [a.metadata.remote() for a in actors],
+                timeout=autoscaler.start_timeout(self.start_timeout_s, self._autoscaling) + 60,
+            )
         except (RayActorError, GetTimeoutError) as exc:
+            self._unhealthy = True
             self.shutdown()
             raise WorkerDiedError(
                 f"Workers failed to start: {exc}", rank=-1, remote_traceback=str(exc)
@@ -253,7 +249,6 @@ class RayWorkerGroup(base.WorkerGroup):
         )
         self.device_indices = [index for _, index in visible]
 
-    # -------------------------------------------------------------- execute
     def __len__(self) -> int:
         return len(self.actors)
 
@@ -277,15 +272,17 @@ class RayWorkerGroup(base.WorkerGroup):
             return
         try:
             refs = self.execute_async(fn)
-            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            self._unhealthy |= bool(pending)  # stuck workers: never pool them
+            ray.get(done)
         except Exception:  # noqa: BLE001 - best effort by definition
+            self._unhealthy = True
             logger.debug("best-effort call %s failed", getattr(fn, "__name__", fn), exc_info=True)
 
     def share(self, value: Any) -> Any:
         """Put ``value`` into Ray's object store once; every worker reads the same copy."""
         return ray.put(value)
 
-    # -------------------------------------------------------------- monitor
     def monitor(self, method: str, timeout_s: float = 10.0) -> list[Any]:
         """Call a monitor method (``progress``, ``stacks``, ``ping``) on every worker.
 
@@ -317,7 +314,6 @@ class RayWorkerGroup(base.WorkerGroup):
         except Exception:  # noqa: BLE001 - a dead worker is reported by the caller's main wait
             return True, None
 
-    # ------------------------------------------------------------------ get
     def get(
         self,
         refs: Sequence[Any],
@@ -332,6 +328,23 @@ class RayWorkerGroup(base.WorkerGroup):
         that can no longer complete). ``on_poll`` is called every ``poll_interval_s``
         while waiting; an exception it raises aborts the wait.
         """
+        self._waiting += 1
+        try:
+            return self._get(refs, ranks, on_poll, poll_interval_s)
+        except BaseException:
+            # A failed, interrupted or abandoned call: these workers are not fit for reuse.
+            self._unhealthy = True
+            raise
+        finally:
+            self._waiting -= 1
+
+    def _get(
+        self,
+        refs: Sequence[Any],
+        ranks: Sequence[int] | None,
+        on_poll: Callable[[], None] | None,
+        poll_interval_s: float,
+    ) -> list[Any]:
         ranks = list(range(len(refs))) if ranks is None else list(ranks)
         rank_of = {ref: rank for ref, rank in zip(refs, ranks, strict=True)}
         pending = list(refs)
@@ -348,43 +361,36 @@ class RayWorkerGroup(base.WorkerGroup):
         return ray.get(list(refs))
 
     def _classify_failure(self, exc: BaseException, rank: int) -> WorkerError:
-        """Turn a failed call into a WorkerError, blaming a dead worker if there is one.
-
-        When a worker process dies, its peers usually fail first with a collective
-        error ("connection closed by peer"); that is a symptom. A quick liveness
-        probe finds the worker that really died, so the failure is reported (and
-        retried) as a lost worker rather than as an application error.
-        """
-        error = _describe_failure(exc, rank, self._meta(rank))
-        if isinstance(error, WorkerDiedError):
-            return error
-        for other, answer in enumerate(self.monitor("ping", timeout_s=5.0)):
-            if isinstance(answer, RayActorError):
-                died = _describe_failure(answer, other, self._meta(other))
-                died.args = (
-                    f"{died.args[0]}\n(rank {rank} then failed with: {error.args[0][:2000]})",
-                )
-                return died
-        return error
-
-    def _meta(self, rank: int) -> WorkerMetadata | None:
-        return self.metadata[rank] if 0 <= rank < len(self.metadata) else None
+        """Turn a failed call into a WorkerError, blaming a dead worker if there is one."""
+        return classify_failure(exc, rank, self.metadata, lambda: self.monitor("ping", 5.0))
 
     # ------------------------------------------------------------- shutdown
     def shutdown(self) -> None:
-        """Kill every actor and release the placement group. Safe to call twice."""
-        for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead is fine
-                pass
-        self.actors = []
-        if self._placement_group is not None and self._owns_placement_group:
-            try:
-                remove_placement_group(self._placement_group)
-            except Exception:  # noqa: BLE001
-                pass
-        self._placement_group = None
+        """Release the workers: back to the warm pool if healthy, else stopped. Safe to call twice.
+
+        Workers whose call raised, died, hung or was interrupted are stopped (actors
+        killed, placement group removed), as are all when the pool is off or full.
+        """
+        actors, self.actors = self.actors, []
+        group, self._placement_group = self._placement_group, None
+        if actors and self._release_to_pool(actors, group):
+            return
+        pool.stop_actors(actors, group if self._owns_placement_group else None)
+
+    def terminate(self) -> None:
+        """Stop every worker now, never keeping them warm (e.g. on Ctrl+C)."""
+        self._unhealthy = True
+        self.shutdown()
+
+    def _release_to_pool(self, actors: list[Any], group: Any) -> bool:
+        if self._unhealthy or self._waiting or group is None or not pool.is_enabled():
+            return False
+        for actor in actors:
+            actor.reset.remote()  # Ray runs it before any later call on the actor (reuse)
+        idle = pool.IdleGroup(
+            self._pool_key, actors, list(self.metadata), group, self._owns_placement_group
+        )
+        return pool.POOL.put(idle)
 
 
 #: The name this class had before the contract was declared; kept for existing imports.

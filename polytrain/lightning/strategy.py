@@ -70,7 +70,8 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
             set ``num_cpus_per_worker`` and ``num_gpus_per_worker`` (as in ray_lightning).
         placement_strategy: "PACK" (default), "SPREAD", "STRICT_PACK" or "STRICT_SPREAD".
         address: the Ray cluster to join; None uses a running instance or starts one.
-        start_timeout_s: fail if the workers cannot be placed within this time (default 30).
+        start_timeout_s: fail if the workers cannot be placed within this time (default: 30 s,
+            or minutes when an autoscaler may add nodes).
         collective_timeout_s: timeout of one collective (the process-group timeout).
         checkpoint_io: a Lightning ``CheckpointIO`` plugin.
         precision_plugin: a Lightning precision plugin.

@@ -9,6 +9,7 @@ groups are built from it) and is re-exported here.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -41,8 +42,13 @@ class FailureConfig:
     """What to do when a worker fails or hangs.
 
     Attributes:
-        max_retries: restarts of the worker group (from the latest checkpoint) before
-            the error is raised; 0 raises at the first failure.
+        max_retries: restarts of the worker group after a lost or hung worker, over the
+            trainer's life, before the error is raised; 0 raises at the first failure.
+            3 by default (RaySGD's default): a restart resumes from the state of the
+            last epoch end, which every epoch end captures while this is above 0
+            (see the README, "Failures", for what that costs). An exception raised by
+            user code is never retried. ``train(max_retries=n)`` sets a budget of
+            ``n`` restarts for one call instead.
         hang_timeout_s: if no worker makes progress for this long, collect every
             worker's stack and treat it as a failure; None disables the watchdog.
         collective_timeout_s: timeout of one collective operation (the process group
@@ -51,7 +57,7 @@ class FailureConfig:
             ``backend_config={"collective_timeout_s": ...}`` (see ``MWMSConfig``).
     """
 
-    max_retries: int = 0
+    max_retries: int = 3
     hang_timeout_s: float | None = None
     collective_timeout_s: float = 1800.0
 
@@ -63,19 +69,57 @@ class FailureConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Where and how often checkpoints are written.
+    """Where and how checkpoints are written.
 
     Attributes:
-        checkpoint_dir: write a checkpoint here at every epoch end (atomically); None
-            keeps the latest one only in the driver's memory.
-        num_to_keep: how many epoch checkpoints to keep in ``checkpoint_dir``.
+        checkpoint_dir: the workers write a checkpoint directory here at every epoch
+            end (``checkpoint_000003/``; each rank its own part, sharded backends their
+            shards): a local path, NFS, or an fsspec URL such as ``s3://bucket/run``.
+            None: with recovery on, a temporary directory of the trainer's own on the
+            driver's node (workers on other nodes then send the state through the
+            driver; give shared storage for multi-node runs).
+        num_to_keep: how many committed checkpoints to keep in ``checkpoint_dir``.
+        async_save: write checkpoints in the background: training continues after the
+            workers copied their part to host memory; the directory's ``COMMITTED``
+            marker appears when every rank has written.
+        resume: at start, load the newest committed checkpoint in ``checkpoint_dir``
+            (if there is one) and continue from it: a crashed driver's run resumes by
+            running the same script (or ``polytrain train --resume``) again.
+        every_n_steps: also checkpoint every this many batches inside an epoch
+            (``checkpoint_000003.00000040/``: 40 batches into the 4th epoch), with the
+            data position: a restart continues at the next batch, so a lost worker
+            costs at most this many steps instead of the epoch. None: epoch ends only.
+        every_s: also checkpoint inside an epoch once this many seconds have passed
+            since the last checkpoint (checked every few batches, see the README).
     """
 
     checkpoint_dir: str | None = None
     num_to_keep: int = 2
+    async_save: bool = False
+    resume: bool = False
+    every_n_steps: int | None = None
+    every_s: float | None = None
 
     def __post_init__(self) -> None:
         check_int("num_to_keep", self.num_to_keep, 1)
+        if self.every_n_steps is not None:
+            check_int("every_n_steps", self.every_n_steps, 1)
+        check_number("every_s", self.every_s, 0.001, allow_none=True)
+        if self.checkpoint_dir is not None:
+            if not isinstance(self.checkpoint_dir, (str, os.PathLike)):
+                raise ConfigTypeError(
+                    f"checkpoint_dir must be a path or URL string; got "
+                    f"{type(self.checkpoint_dir).__name__}: {self.checkpoint_dir!r}."
+                )
+            self.checkpoint_dir = os.fspath(self.checkpoint_dir)
+        for name in ("async_save", "resume"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigTypeError(f"{name} must be True or False; got {getattr(self, name)!r}.")
+        if self.resume and self.checkpoint_dir is None:
+            raise ConfigError(
+                "resume=True continues from the newest checkpoint in checkpoint_dir, but "
+                "checkpoint_dir is None. Set checkpoint_dir (the same one as the run to resume)."
+            )
 
 
 def coerce_config(cls: type[T], value: Any, name: str) -> T:

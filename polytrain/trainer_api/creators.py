@@ -258,6 +258,13 @@ def _loader_for(value: Any, config: dict, training: bool) -> Any:
     """Wrap a map-style ``Dataset`` in a ``DataLoader`` of the per-worker batch; others pass."""
     from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+    if type(value).__module__.startswith("ray.data"):
+        # Splitting between the workers must happen once, on the driver.
+        raise CreatorError(
+            f"data_creator returned {_describe(value)}, a Ray Dataset: a worker cannot split it "
+            f"with the others. Pass it to the trainer instead: TorchTrainer(..., datasets="
+            f"{{'train': ds, 'val': val_ds}}) without a data_creator."
+        )
     if not isinstance(value, Dataset) or isinstance(value, DataLoader):
         return value
     if isinstance(value, IterableDataset):

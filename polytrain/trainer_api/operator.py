@@ -24,6 +24,7 @@ from polytrain.backends.strategy import TorchStrategy
 from polytrain.errors import PolytrainError
 from polytrain.launchers.worker import report_progress
 from polytrain.trainer_api.data import move_to_device
+from polytrain.trainer_api.profiling import PhaseTimer
 from polytrain.trainer_api.results import is_finite_number
 
 
@@ -61,6 +62,8 @@ class TrainingOperator:
         self.check_finite_loss = check_finite_loss
         self.global_step = 0
         self.last_val_loss: float | None = None
+        #: Times the phases of the current call when it was made with ``profile=True``.
+        self.timer = PhaseTimer()
 
     # ----------------------------------------------------------- user hooks
     def setup(self, config: dict[str, Any]) -> None:
@@ -110,16 +113,19 @@ class TrainingOperator:
         return self.strategy.autocast(self.components)
 
     def zero_grad(self) -> None:
-        """Clear gradients the way the backend needs it."""
-        self.strategy.zero_grad(self.components)
+        """Clear gradients the way the backend needs it (``step_s`` of a profile)."""
+        with self.timer.phase("step"):
+            self.strategy.zero_grad(self.components)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagate through the backend (scaling, engines, allreduce hooks)."""
-        self.strategy.backward(loss, self.components)
+        """Back-propagate through the backend (scaling, engines, allreduce hooks; ``backward_s``)."""
+        with self.timer.phase("backward"):
+            self.strategy.backward(loss, self.components)
 
     def step(self, optimizer_index: int | None = None) -> None:
-        """Apply gradients through the backend; steps per-batch schedulers if configured."""
-        self.strategy.step(self.components, optimizer_index)
+        """Apply gradients through the backend (``step_s`` of a profile)."""
+        with self.timer.phase("step"):
+            self.strategy.step(self.components, optimizer_index)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Context for gradient accumulation: backward passes inside it do not synchronise."""
@@ -131,88 +137,88 @@ class TrainingOperator:
 
     # ------------------------------------------------------------ the loops
     def train_epoch(self, iterator: Iterable, info: dict[str, Any]) -> dict[str, Any]:
-        """Run :meth:`train_batch` over ``iterator``; returns this worker's epoch metrics."""
+        """Run :meth:`train_batch` over ``iterator``; returns this worker's metrics for the call.
+
+        ``iterator`` yields this call's batches: the rest of the epoch, or at most
+        ``info["num_steps"]``, continuing where the previous call stopped (it ends
+        early at the end of the epoch). ``info`` holds ``epoch_idx`` (also as
+        ``epoch``), ``num_steps`` and whatever the driver passed to ``train(info=...)``;
+        each batch's ``batch_info`` adds ``batch_idx`` (the batch's index in the
+        epoch) and ``global_step``.
+        """
         self._set_train_mode(True)
         num_steps = info.get("num_steps")
-        total = _safe_len(iterator)
-        if num_steps is not None:
-            total = num_steps if total is None else min(total, num_steps)
-        sums: dict[str, float] = {}
-        other: dict[str, Any] = {}
-        samples = 0
-        steps = 0
-        start = time.perf_counter()
-        report_progress(0, total, phase="train", epoch=info.get("epoch"))
-        for batch_idx, batch in enumerate(iterator):
-            if num_steps is not None and batch_idx >= num_steps:
+        epoch = info.get("epoch_idx", info.get("epoch"))
+        total = _expected_steps(iterator, num_steps)
+        first_idx = int(info.get("first_batch_idx", 0))
+        tally = _Tally()
+        report_progress(0, total, phase="train", epoch=epoch)
+        for batch in iterator:
+            if num_steps is not None and tally.steps >= num_steps:
                 break
+            batch_idx = first_idx + tally.steps
+            with self.timer.phase("data"):
+                batch = self.to_device(batch)
             batch_info = {
                 **info,
                 "batch_idx": batch_idx,
-                "epoch_idx": info.get("epoch"),  # RaySGD's name
+                "epoch_idx": epoch,
                 "global_step": self.global_step,
             }
-            metrics = self.train_batch(self.to_device(batch), batch_info)
-            n = int(metrics.get("num_samples", 1)) if metrics else 1
-            if self.check_finite_loss and metrics and "loss" in metrics:
-                if not is_finite_number(float(metrics["loss"])):
-                    raise NonFiniteLossError(
-                        f"Loss became {metrics['loss']} at epoch {info.get('epoch')}, step "
-                        f"{batch_idx} (global step {self.global_step}) on rank "
-                        f"{self.world_rank}. Lower the learning rate, check the data for NaN/inf, "
-                        f"or pass check_finite_loss=False to the trainer to continue anyway."
-                    )
-            _accumulate(metrics or {}, n, sums, other)
-            samples += n
-            steps += 1
+            with self.timer.phase("batch"):
+                metrics = self.train_batch(batch, batch_info) or {}
+            self._check_loss(metrics, epoch, batch_idx)
+            tally.add(metrics)
             self.global_step += 1
             if self.scheduler_step_freq == "batch":
                 self._step_schedulers()
             report_progress(
-                steps,
-                total,
-                phase="train",
-                epoch=info.get("epoch"),
-                loss=metrics.get("loss") if metrics else None,
+                tally.steps, total, phase="train", epoch=epoch, loss=metrics.get("loss")
             )
-        if steps == 0:
+        if tally.steps == 0:
             raise ValueError(
                 f"The training data loader of rank {self.world_rank} yielded no batches "
                 f"(per-worker batch_size={self.config.get('batch_size')}, "
-                f"len(loader)={_safe_len(iterator)}). Give the data_creator more data, lower "
-                f"batch_size, or set drop_last=False."
+                f"len(loader)={_safe_len(self.train_loader)}). Give the data_creator more "
+                f"data, lower batch_size, or set drop_last=False."
             )
-        if self.scheduler_step_freq == "epoch":
+        if self.scheduler_step_freq == "epoch" and _ends_epoch(iterator):
             self._step_schedulers()
-        elapsed = time.perf_counter() - start
-        result = {key: value / max(samples, 1) for key, value in sums.items()}
-        result.update(other)
-        result.update({"num_samples": samples, "num_steps": steps, "epoch_time_s": elapsed})
-        report_progress(steps, total, phase="idle", epoch=info.get("epoch"))
-        return result
+        report_progress(tally.steps, total, phase="idle", epoch=epoch)
+        return tally.result("epoch_time_s")
+
+    def _check_loss(self, metrics: dict[str, Any], epoch: Any, batch_idx: int) -> None:
+        if not (self.check_finite_loss and "loss" in metrics):
+            return
+        if not is_finite_number(float(metrics["loss"])):
+            raise NonFiniteLossError(
+                f"Loss became {metrics['loss']} at epoch {epoch}, step {batch_idx} (global "
+                f"step {self.global_step}) on rank {self.world_rank}. Lower the learning rate, "
+                f"check the data for NaN/inf, or pass check_finite_loss=False to the trainer "
+                f"to continue anyway."
+            )
 
     def validate(self, iterator: Iterable, info: dict[str, Any]) -> dict[str, Any]:
-        """Run :meth:`validate_batch` over ``iterator`` without gradients; returns metrics."""
+        """Run :meth:`validate_batch` over ``iterator`` without gradients; returns metrics.
+
+        ``info["num_steps"]`` (None: all of it) caps the batches evaluated.
+        """
         self._set_train_mode(False)
         num_steps = info.get("num_steps")
-        sums: dict[str, float] = {}
-        other: dict[str, Any] = {}
-        samples = 0
-        start = time.perf_counter()
+        tally = _Tally()
         with torch.no_grad():
-            for batch_idx, batch in enumerate(iterator):
-                if num_steps is not None and batch_idx >= num_steps:
-                    break
-                metrics = self.validate_batch(
-                    self.to_device(batch), {**info, "batch_idx": batch_idx}
-                )
-                n = int(metrics.get("num_samples", 1)) if metrics else 1
-                _accumulate(metrics or {}, n, sums, other)
-                samples += n
-                report_progress(batch_idx + 1, None, phase="validate")
-        result = {key: value / max(samples, 1) for key, value in sums.items()}
-        result.update(other)
-        result.update({"num_samples": samples, "time_s": time.perf_counter() - start})
+            batches = iter(iterator)
+            while num_steps is None or tally.steps < num_steps:
+                with self.timer.phase("data"):
+                    batch = next(batches, _END)
+                    if batch is _END:
+                        break
+                    batch = self.to_device(batch)
+                with self.timer.phase("batch"):
+                    metrics = self.validate_batch(batch, {**info, "batch_idx": tally.steps})
+                tally.add(metrics or {})
+                report_progress(tally.steps, None, phase="validate")
+        result = tally.result("time_s")
         report_progress(0, None, phase="idle")
         if "val_loss" in result:
             self.last_val_loss = result["val_loss"]
@@ -304,6 +310,51 @@ def _batch_len(target: Any) -> int:
         return len(target)
     except TypeError:
         return 1
+
+
+_END = object()
+
+
+def _expected_steps(iterator: Any, num_steps: int | None) -> int | None:
+    total = _safe_len(iterator)
+    if num_steps is not None:
+        total = num_steps if total is None else min(total, num_steps)
+    return total
+
+
+def _ends_epoch(iterator: Any) -> bool:
+    """Whether this call's batches reached the end of the epoch (a plain iterable: yes)."""
+    ends_epoch = getattr(iterator, "ends_epoch", None)
+    return ends_epoch() if callable(ends_epoch) else True
+
+
+class _Tally:
+    """Sample-weighted sums of a call's batch metrics."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.other: dict[str, Any] = {}
+        self.samples = 0
+        self.steps = 0
+        self.start = time.perf_counter()
+
+    def add(self, metrics: dict[str, Any]) -> None:
+        n = int(metrics.get("num_samples", 1)) if metrics else 1
+        _accumulate(metrics, n, self.sums, self.other)
+        self.samples += n
+        self.steps += 1
+
+    def result(self, time_key: str) -> dict[str, Any]:
+        result = {key: value / max(self.samples, 1) for key, value in self.sums.items()}
+        result.update(self.other)
+        result.update(
+            {
+                "num_samples": self.samples,
+                "num_steps": self.steps,
+                time_key: time.perf_counter() - self.start,
+            }
+        )
+        return result
 
 
 def _safe_len(iterable: Any) -> int | None:

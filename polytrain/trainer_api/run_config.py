@@ -48,14 +48,19 @@ from polytrain.trainer_api.run_config_imports import (
 from polytrain.trainer_api.run_config_schema import (
     CREATOR_KEYS,
     DEFAULT_BACKEND,
+    FRAMEWORKS,
     TRAINER_CLASSES,
     CheckpointSection,
     FailureSection,
+    FrameworkSection,
     ScalingSection,
     apply_overrides,
     check_import_path,
+    check_logger_names,
     config_error_from,
+    merge_framework_section,
     parse_overrides,
+    plain_data,
     yaml_load,
 )
 
@@ -98,6 +103,11 @@ class RunConfig(BaseModel):
         scaling: :class:`~polytrain.ScalingConfig` fields.
         failure: :class:`~polytrain.FailureConfig` fields.
         checkpoint: :class:`~polytrain.CheckpointConfig` fields.
+        loggers: experiment trackers by name (``[tensorboard, csv]`` or ``"mlflow,csv"``),
+            see :mod:`polytrain.loggers`.
+        torch: the torch version of the job (creators, torch-only options), when the
+            config carries one for each framework; see :class:`FrameworkSection`.
+        tensorflow: the Keras version of the job.
     """
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -123,8 +133,17 @@ class RunConfig(BaseModel):
     scaling: ScalingSection = Field(default_factory=ScalingSection)
     failure: FailureSection = Field(default_factory=FailureSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    loggers: list[str] | str | None = None
+    torch: FrameworkSection | None = None
+    tensorflow: FrameworkSection | None = None
 
     _source: str = PrivateAttr(default="<dict>")
+    _raw: dict[str, Any] | None = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _framework_section(cls, raw: Any) -> Any:
+        return merge_framework_section(raw)
 
     @field_validator(*CREATOR_KEYS)
     @classmethod
@@ -137,6 +156,11 @@ class RunConfig(BaseModel):
         if value is not None:
             resolve_backend_name(value)  # UnknownBackendError lists every valid name
         return value
+
+    @field_validator("loggers")
+    @classmethod
+    def _known_loggers(cls, value: list[str] | str | None) -> list[str] | str | None:
+        return check_logger_names(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
@@ -168,6 +192,25 @@ class RunConfig(BaseModel):
         return self._source
 
     @property
+    def frameworks(self) -> tuple[str, ...]:
+        """The frameworks this config can train: those with a section, else ``(trainer,)``."""
+        with_section = tuple(fw for fw in FRAMEWORKS if getattr(self, fw) is not None)
+        return with_section or (self.trainer,)
+
+    def with_backend(self, backend: str, **overrides: Any) -> RunConfig:
+        """This job on another backend; with framework sections, also another framework.
+
+        The backend's options (``backend_config``) belong to the configured backend,
+        so another backend starts from its defaults.
+        """
+        values: dict[str, Any] = {"backend": backend, **overrides}
+        if get_spec(backend).name != self.backend_name:
+            values["backend_config"] = None
+        if len(self.frameworks) > 1:
+            values["trainer"] = get_spec(backend).framework
+        return self.with_overrides(values)
+
+    @property
     def backend_name(self) -> str:
         """The canonical name of the configured backend."""
         return get_spec(self.backend).name
@@ -190,6 +233,9 @@ class RunConfig(BaseModel):
 
     def to_dict(self) -> dict[str, Any]:
         """The keys the config sets, as plain data: saved next to a run, it loads again."""
+        if self._raw is not None:
+            # As written (framework sections unmerged), with the backend in use.
+            return {**self._raw, "backend": self.backend}
         return {
             **self.model_dump(by_alias=True, mode="json", exclude_unset=True),
             "backend": self.backend,
@@ -197,8 +243,11 @@ class RunConfig(BaseModel):
 
     def with_overrides(self, overrides: Mapping[str, Any] | Iterable[str]) -> RunConfig:
         """A new config with dotted-key overrides applied (see :func:`load_config`)."""
-        raw = self.model_dump(by_alias=True, exclude_unset=True)
-        raw["backend"] = self.backend
+        if self._raw is not None:
+            raw = {**self._raw, "backend": self.backend}
+        else:
+            raw = self.model_dump(by_alias=True, exclude_unset=True)
+            raw["backend"] = self.backend
         return _validate(apply_overrides(raw, overrides), self.source)
 
     # ------------------------------------------------------------ build
@@ -231,6 +280,7 @@ class RunConfig(BaseModel):
             "use_fp16": self.use_fp16,
             "use_tqdm": self.use_tqdm,
             "scheduler_step_freq": self.scheduler_step_freq,
+            "loggers": self.loggers,
         }
         params = inspect.signature(trainer_cls).parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -246,12 +296,14 @@ class RunConfig(BaseModel):
                 )
         return kwargs
 
-    def build_trainer(self, trainer_cls: type | None = None) -> Any:
+    def build_trainer(self, trainer_cls: type | None = None, **replace: Any) -> Any:
         """Import the creators, connect to Ray and construct the trainer (workers start).
 
         Args:
             trainer_cls: the trainer class; default from ``trainer:`` (TorchTrainer or
                 TFTrainer). It must belong to the config's framework.
+            **replace: trainer arguments that replace the config's (e.g. ``loggers=`` with
+                Logger instances writing into a run directory).
         """
         trainer_cls = trainer_cls or import_object(TRAINER_CLASSES[self.trainer], "trainer")
         framework = getattr(trainer_cls, "framework", self.trainer)
@@ -261,7 +313,7 @@ class RunConfig(BaseModel):
                 f"{framework} models; set trainer: {framework} or use the matching trainer class."
             )
         self._check_backend_config()
-        kwargs = self.trainer_kwargs(trainer_cls)
+        kwargs = {**self.trainer_kwargs(trainer_cls), **replace}
         scaling = self.scaling_config()
         if not scaling.local_mode:
             connect_ray(scaling.address)
@@ -292,6 +344,7 @@ def _validate(raw: Any, source: str) -> RunConfig:
     except pydantic.ValidationError as exc:
         raise config_error_from(RunConfig, exc, source) from None
     run._source = source
+    run._raw = plain_data(raw)
     return run
 
 

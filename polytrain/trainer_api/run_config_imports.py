@@ -76,10 +76,15 @@ def import_object(path: str, key: str = "import path") -> Any:
 def worker_runtime_env() -> dict[str, Any] | None:
     """A Ray runtime_env that lets workers import the creators' modules from the cwd.
 
-    Inside a Ray job whose runtime_env ships a working_dir or py_modules, the
-    workers can import them already and no change is needed.
+    It also makes every worker quiet (or verbose) like the driver: the quiet
+    filters run as the workers' setup hook, with the environment of
+    :func:`polytrain.compat.quiet.worker_env`. Inside a Ray job whose runtime_env
+    ships a working_dir or py_modules, the workers can import the modules already
+    and the job's runtime_env is left alone.
     """
     from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    from polytrain.compat import quiet
 
     job = os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR)
     if job:
@@ -89,7 +94,10 @@ def worker_runtime_env() -> dict[str, Any] | None:
         if "PYTHONPATH" in (job_env.get("env_vars") or {}):
             return None  # merging would conflict; the job chose its own path
     paths = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}}
+    return {
+        "env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), **quiet.worker_env()},
+        "worker_process_setup_hook": f"{quiet.__name__}.install",
+    }
 
 
 def connect_ray(address: str | None = None) -> None:

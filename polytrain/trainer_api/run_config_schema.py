@@ -14,11 +14,11 @@ import difflib
 import re
 import typing
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from polytrain.errors import ConfigError, ConfigTypeError
 from polytrain.trainer_api.config import CheckpointConfig, FailureConfig, ScalingConfig
@@ -27,13 +27,18 @@ __all__ = [
     "CREATOR_KEYS",
     "DEFAULT_BACKEND",
     "TRAINER_CLASSES",
+    "FRAMEWORKS",
     "CheckpointSection",
     "FailureSection",
+    "FrameworkSection",
     "ScalingSection",
     "apply_overrides",
     "check_import_path",
+    "check_logger_names",
     "config_error_from",
+    "merge_framework_section",
     "parse_overrides",
+    "plain_data",
     "yaml_load",
 ]
 
@@ -103,6 +108,25 @@ def check_import_path(value: str | None) -> str | None:
     return value
 
 
+def check_logger_names(value: list[str] | str | None) -> list[str] | str | None:
+    """A pydantic field check: every name in ``loggers:`` is a built-in logger."""
+    from polytrain.loggers import LOGGER_NAMES
+
+    names = value.split(",") if isinstance(value, str) else value or []
+    for name in (n.strip().lower() for n in names):
+        if name and name not in LOGGER_NAMES:
+            raise ConfigError(f"unknown logger {name!r}; choose from {', '.join(LOGGER_NAMES)}")
+    return value
+
+
+def plain_data(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """``raw`` as plain data: sections given as pydantic models become dicts."""
+    return {
+        key: value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
+        for key, value in raw.items()
+    }
+
+
 class _Section(BaseModel):
     """A config section generated from one of the option dataclasses."""
 
@@ -143,7 +167,94 @@ FailureSection = _section_model(FailureConfig)
 CheckpointSection = _section_model(CheckpointConfig)
 
 
+# --------------------------------------------------------- framework sections
+#: The frameworks a run config can carry a section for (``torch:``, ``tensorflow:``).
+FRAMEWORKS = ("torch", "tensorflow")
+
+
+class FrameworkSection(BaseModel):
+    """A ``torch:`` or ``tensorflow:`` section: one framework's version of the same job.
+
+    It holds what differs between the frameworks (the creators, and options only
+    one trainer takes); everything else (``config``, ``num_workers``, ``epochs``,
+    ``scaling``, ...) is shared at the top level. Its ``config`` is merged over
+    the shared one.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    data: str | None = None
+    optimizer: str | None = None
+    loss: str | None = None
+    scheduler: str | None = None
+    operator: str | None = None
+    config: dict[str, Any] | None = None
+    scheduler_step_freq: Literal["batch", "epoch", "manual"] | None = None
+    use_fp16: bool | None = None
+
+    @field_validator(*CREATOR_KEYS)
+    @classmethod
+    def _import_paths(cls, value: str | None) -> str | None:
+        return check_import_path(value)
+
+
+def _framework_of(backend: Any) -> str | None:
+    if not isinstance(backend, str):
+        return None
+    from polytrain.backends.registry import get_spec
+
+    try:
+        return get_spec(backend).framework
+    except ConfigError:
+        return None  # the backend field's own check reports it
+
+
+def merge_framework_section(raw: Any) -> Any:
+    """The raw run config with the section of the framework in use merged into the top level.
+
+    The framework is ``trainer:`` when set, else the framework of ``backend:``, else
+    the only section (``torch`` when there are both). A section's ``config`` is
+    merged over the shared ``config``; any other key may be set in one place only.
+
+    Raises:
+        ConfigError: the framework in use has no section, or a key is set twice.
+    """
+    if not isinstance(raw, Mapping):
+        return raw
+    sections = {fw: raw[fw] for fw in FRAMEWORKS if isinstance(raw.get(fw), Mapping)}
+    if not sections:
+        return raw
+    framework = raw.get("trainer") or _framework_of(raw.get("backend"))
+    framework = framework or ("torch" if "torch" in sections else "tensorflow")
+    if framework not in sections:
+        raise ConfigError(
+            f"trainer: this job trains with {framework} (from trainer:/backend:), but the "
+            f"config has only a {' and a '.join(sections)}: section; add a {framework}: "
+            f"section or pick a {' or '.join(sections)} backend"
+        )
+    merged = dict(raw)
+    merged["trainer"] = framework
+    for key, value in sections[framework].items():
+        if value is None or key not in FrameworkSection.model_fields:
+            continue  # an unknown key is reported inside the section
+        if key == "config" and isinstance(value, Mapping):
+            merged["config"] = {**(raw.get("config") or {}), **value}
+        elif raw.get(key) is not None:
+            raise ConfigError(
+                f"{key}: set both at the top level and in the {framework}: section; set it "
+                f"in one place (the top level holds what both frameworks share)"
+            )
+        else:
+            merged[key] = value
+    return merged
+
+
 # ------------------------------------------------------------------ messages
+def _is_model(value: Any) -> bool:
+    return isinstance(value, type) and issubclass(value, BaseModel)
+
+
 def _allowed_keys(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     """The keys allowed at key path ``loc`` below the model ``root`` ([] if not a mapping)."""
     model: Any = root
@@ -152,7 +263,9 @@ def _allowed_keys(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
         if field is None:
             return []
         model = field.annotation
-    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        # An optional section (``FrameworkSection | None``): the model inside.
+        model = next((a for a in typing.get_args(model) if _is_model(a)), model)
+    if not _is_model(model):
         return []
     return [f.alias or name for name, f in model.model_fields.items()]
 

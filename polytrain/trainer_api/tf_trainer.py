@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 
 from polytrain.backends.base import Backend
-from polytrain.errors import CreatorError
+from polytrain.errors import ConfigError, CreatorError
 from polytrain.launchers.base import WorkerGroup
-from polytrain.trainer_api import tf_worker
+from polytrain.trainer_api import checkpoint_tf, tf_worker
 from polytrain.trainer_api.config import (
     CheckpointConfig,
     FailureConfig,
@@ -89,9 +89,14 @@ class TFTrainer(BaseTrainer):
         failure_config: :class:`FailureConfig` (or dict); ``collective_timeout_s`` is
             the timeout of one collective operation.
         checkpoint_config: :class:`CheckpointConfig` (or dict).
+        init_hook: a function of no arguments run on every worker after it starts (and
+            after a restart), before ``TF_CONFIG`` is set and TensorFlow starts.
+        loggers: experiment trackers (Logger instances or "tensorboard", "mlflow",
+            "wandb", "csv") that get the metrics of every call.
     """
 
     framework = "tensorflow"
+    checkpoint_worker_module = checkpoint_tf
 
     def __init__(
         self,
@@ -108,6 +113,8 @@ class TFTrainer(BaseTrainer):
         scaling_config: ScalingConfig | dict | None = None,
         failure_config: FailureConfig | dict | None = None,
         checkpoint_config: CheckpointConfig | dict | None = None,
+        init_hook: Callable[[], None] | None = None,
+        loggers: Any = None,
     ) -> None:
         self.creators = tf_worker.TFCreators(model_creator, data_creator)
         super().__init__(
@@ -122,6 +129,8 @@ class TFTrainer(BaseTrainer):
             checkpoint_config=checkpoint_config,
             use_fp16=False,
             use_tqdm=use_tqdm,
+            init_hook=init_hook,
+            loggers=loggers,
         )
         self._start()
 
@@ -151,11 +160,27 @@ class TFTrainer(BaseTrainer):
         return {**state, **{key: _to_tensors(state.get(key)) for key in _WEIGHT_KEYS}}
 
     # ------------------------------------------------------------ training
-    def train(self, num_steps: int | None = None) -> dict[str, Any]:
+    def train(
+        self,
+        num_steps: int | None = None,
+        *,
+        max_retries: int | None = None,
+        end_epoch: bool = True,
+    ) -> dict[str, Any]:
         """Train one epoch (or ``num_steps`` global batches) with ``model.fit`` on every worker.
 
         Epochs count up across calls (``fit(initial_epoch=e, epochs=e + 1)``), so
-        epoch-based callbacks and schedules in the model see the right epoch.
+        epoch-based callbacks and schedules in the model see the right epoch. Unlike
+        :meth:`TorchTrainer.train <polytrain.TorchTrainer.train>`, every call is an
+        epoch of its own: ``fit`` starts the data set's iterator afresh, so
+        ``num_steps`` takes the first batches of the data set each time.
+
+        Args:
+            num_steps: at most this many global batches; None: the whole data set.
+            max_retries: restarts allowed for this call after a lost or hung worker,
+                instead of ``failure_config.max_retries``.
+            end_epoch: every call ends its epoch here; only True is accepted (it exists
+                so that code written for both trainers can pass it).
 
         Returns:
             The chief's view of the epoch: ``epoch``, ``loss`` (the mean over the
@@ -164,13 +189,33 @@ class TFTrainer(BaseTrainer):
             slowest worker), ``samples_per_s``, ``num_restarts``, ``num_workers``
             and ``checkpoint_path`` (with a ``checkpoint_dir``).
         """
-        epoch = self._begin_epoch()
-        results = self._run(tf_worker.train_epoch, epoch, num_steps, progress=f"epoch {epoch}")
-        self.epoch = epoch + 1
+        if not end_epoch:
+            raise ConfigError(
+                "TFTrainer.train(end_epoch=False) is not supported: model.fit starts the data "
+                "set afresh at every call, so every call is an epoch. Drop end_epoch=False."
+            )
+        self._begin_call(max_retries)
+        results = self._run(
+            tf_worker.train_epoch,
+            progress=f"epoch {self.epoch}",
+            max_retries=max_retries,
+            args_fn=lambda: (self.epoch, num_steps),
+        )
         stats = _chief_stats(results, "epoch_time_s")
-        # The epoch-end state a restart resumes from.
-        state = self._worker_state() if self._keeps_state else None
-        return self._end_epoch(stats, state)
+        self._end_call(stats, {"epoch": self.epoch, "position": 0, "epoch_done": True})
+        # The epoch-end state a restart resumes from: a directory the workers write, or a
+        # dict through the driver when they cannot see the checkpoint directory.
+        local_only = self.scaling.local_mode and self.checkpoint.checkpoint_dir is None
+        if self._keeps_state and not local_only and self._workers_see_checkpoints():
+            written = self._run(
+                checkpoint_tf.save_dir, args_fn=lambda: (self._checkpoint_request(self.epoch),)
+            )
+            self._keep_checkpoint(stats, written)
+        else:
+            state = self._worker_state() if self._keeps_state else None
+            self._keep_state(stats, state, None)
+        self._log("train", stats)
+        return stats
 
     def validate(self, num_steps: int | None = None) -> dict[str, Any]:
         """``model.evaluate`` on the validation data set (all of it, or ``num_steps`` batches).
@@ -180,7 +225,9 @@ class TFTrainer(BaseTrainer):
             ``val_accuracy``), ``num_steps``, ``num_samples`` and ``time_s``.
         """
         results = self._run(tf_worker.validate, num_steps)
-        return _chief_stats(results, "time_s")
+        stats = _chief_stats(results, "time_s")
+        self._log("val", stats)
+        return stats
 
     def apply_all_models(self, fn: Callable[[Any], Any]) -> list[Any]:
         """Run ``fn(model)`` on every worker's Keras model; returns the results in rank order."""
@@ -208,12 +255,15 @@ class TFTrainer(BaseTrainer):
         model.set_weights(state["models"][0])
         return model
 
-    def shutdown(self) -> None:
-        """Stop every worker and release their resources. Later calls raise."""
+    def shutdown(self, force: bool = False) -> None:
+        """Stop every worker and release their resources. Later calls raise.
+
+        ``force=True`` kills the workers at once (see :meth:`BaseTrainer.shutdown`).
+        """
         if self._group is not None and self.scaling.local_mode:
             # The local "worker" is this process: drop the model it holds.
             self._group.execute(tf_worker.teardown_worker)
-        super().shutdown()
+        super().shutdown(force=force)
 
 
 def _chief_stats(results: list[dict[str, Any]], time_key: str) -> dict[str, Any]:

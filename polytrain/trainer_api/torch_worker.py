@@ -6,6 +6,9 @@ builds in the worker's ``WORKER_STATE``.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,11 +19,17 @@ from polytrain.backends.context import Components, WorkerContext
 from polytrain.backends.strategy import TorchStrategy
 from polytrain.errors import CreatorError
 from polytrain.launchers.worker import WORKER_STATE
+from polytrain.trainer_api import checkpoint as ckpt
+from polytrain.trainer_api import checkpoint_torch
+from polytrain.trainer_api.checkpoint_io import SaveRequest
 from polytrain.trainer_api.creators import TorchCreators
-from polytrain.trainer_api.data import add_distributed_sampler, set_sampler_epoch
+from polytrain.trainer_api.cursor import DataCursor
+from polytrain.trainer_api.data import add_distributed_sampler
 from polytrain.trainer_api.operator import TrainingOperator
+from polytrain.trainer_api.profiling import PhaseTimer
 
 _KEY = "torch_trainer"
+_CURSOR = "torch_trainer_cursor"
 
 
 @dataclass
@@ -63,6 +72,7 @@ def setup_worker(setup: WorkerSetup, rank_info: Any, device_index: int) -> int:
         )
         operator.setup(setup.config)
     WORKER_STATE[_KEY] = operator
+    WORKER_STATE[_CURSOR] = DataCursor(operator.train_loader)
     return _count_batches(components.train_loader, ctx, setup.config)
 
 
@@ -151,40 +161,158 @@ def _operator() -> TrainingOperator:
         ) from None
 
 
-def train_epoch(
-    epoch: int, num_steps: int | None, info: dict[str, Any] | None, capture_state: bool = False
-) -> dict[str, Any]:
-    """One epoch (or ``num_steps`` batches) of training on this worker.
+@dataclass
+class StateCapture:
+    """How the training state leaves the workers when a call ends an epoch.
 
-    With ``capture_state`` every rank takes part in consolidating the training
-    state and rank 0 returns it under ``"_state"``: the driver's epoch-end
-    checkpoint arrives in the same round trip as the metrics.
+    Attributes:
+        envelope: the checkpoint envelope (format, version, framework, ...) rank 0
+            completes with the epoch and writes around the state.
+        path: where rank 0 writes the checkpoint file, if the file's directory
+            exists on rank 0's node (the driver created it there: the same node);
+            None, or a directory rank 0 does not see: rank 0 returns the state
+            itself, through the driver.
+    """
+
+    envelope: dict[str, Any]
+    path: str | None = None
+
+
+@dataclass
+class TrainCall:
+    """One ``train()`` call as every worker receives it.
+
+    Attributes:
+        epoch: the epoch the driver is in.
+        position: batches of ``epoch`` already trained (where this call starts).
+        num_steps: at most this many batches; None: the rest of the epoch.
+        info: the user's ``train(info=...)`` dict.
+        profile: time the phases of the loop.
+        capture: take the state at the end of the epoch, if this call ends it.
+        end_epoch: end the epoch after this call even if the loader is not exhausted.
+        capture_mid: a mid-epoch checkpoint directory to write if this call stops
+            inside the epoch at the position the driver expects (``extra["epoch_step"]``).
+    """
+
+    epoch: int
+    position: int = 0
+    num_steps: int | None = None
+    info: dict[str, Any] | None = None
+    profile: bool = False
+    capture: StateCapture | SaveRequest | None = None
+    end_epoch: bool = False
+    capture_mid: SaveRequest | None = None
+
+
+def train_epoch(call: TrainCall) -> dict[str, Any]:
+    """Train ``call.num_steps`` batches (or the rest of the epoch) on this worker.
+
+    The batches continue the epoch where the previous call stopped (see
+    :class:`~polytrain.trainer_api.cursor.DataCursor`). The result carries the
+    operator's metrics, ``epoch``, and under ``"_cursor"`` the position reached and
+    whether the epoch ended. An epoch that ended with ``call.capture`` set has
+    every rank take part in consolidating the state; rank 0 writes it to
+    ``capture.path`` (returning ``"_state_path"``) or returns it (``"_state"``).
     """
     operator = _operator()
-    loader = operator.train_loader
-    set_sampler_epoch(loader, epoch)
+    cursor: DataCursor = WORKER_STATE[_CURSOR]
+    if cursor.loader is not operator.train_loader:  # the user replaced the loader
+        cursor = WORKER_STATE[_CURSOR] = DataCursor(operator.train_loader)
+    cursor.seek(call.epoch, call.position)
+    if cursor.position > 0 and cursor.finish_call():
+        cursor.seek(call.epoch + 1, 0)  # a position at an epoch's very end: the next one starts
+    epoch, first = cursor.epoch, cursor.position
+    operator.timer = PhaseTimer(call.profile, operator.device)
+    info = {
+        **(call.info or {}),
+        "epoch": epoch,
+        "epoch_idx": epoch,
+        "num_steps": call.num_steps,
+        "first_batch_idx": first,
+    }
+    start = time.perf_counter()
     with operator.strategy.worker_scope(operator.context):
-        stats = operator.train_epoch(
-            loader, {**(info or {}), "epoch": epoch, "num_steps": num_steps}
-        )
+        iterator = cursor.take(call.num_steps, operator.timer, call.end_epoch)
+        stats = operator.train_epoch(iterator, info)
+    elapsed = time.perf_counter() - start
+    untouched = cursor.position == first and not cursor.exhausted
+    # Untouched: the operator iterated the loader itself, not the iterator it was
+    # given, so the call was a whole epoch. Either way the next epoch starts afresh.
+    done = untouched or iterator.ends_epoch()
+    if done:
+        cursor.reset()
     stats.setdefault("epoch", epoch)
     stats["peak_memory_mb"] = peak_memory_mb(operator.device)
-    if capture_state:
-        state = get_state(epoch + 1)
-        if state is not None:
-            stats["_state"] = state
+    stats["_cursor"] = {"epoch": epoch, "position": cursor.position, "epoch_done": done}
+    if call.profile:
+        stats["profile"] = operator.timer.report(elapsed)
+    operator.timer = PhaseTimer()
+    if done and call.capture is not None:
+        _capture(stats, call.capture, epoch + 1)
+    elif not done and call.capture_mid is not None:
+        _capture_mid(stats, call.capture_mid, cursor.position)
     return stats
 
 
-def validate(num_steps: int | None, info: dict[str, Any] | None) -> dict[str, Any]:
-    """Evaluate on this worker's share of the validation data."""
+def _capture_mid(stats: dict[str, Any], request: SaveRequest, position: int) -> None:
+    """Write a mid-epoch checkpoint directory; the data position goes into its meta.
+
+    Every rank stops at the same position (the loop runs in lockstep), so all of
+    them write or none does: a call that stopped elsewhere than planned (a custom
+    ``train_epoch`` that returned early) writes nothing rather than a misnamed one.
+    """
+    if request.extra.get("epoch_step") != position:
+        return
+    start = time.perf_counter()
+    stats["_checkpoint"] = checkpoint_torch.save_operator(_operator(), request)
+    if "profile" in stats:
+        stats["profile"]["capture_s"] = time.perf_counter() - start
+
+
+def _capture(stats: dict[str, Any], capture: StateCapture | SaveRequest, next_epoch: int) -> None:
+    start = time.perf_counter()
+    if isinstance(capture, SaveRequest):
+        # Every rank writes its own part of a checkpoint directory; the driver gets the path.
+        request = dataclasses.replace(capture, header={**capture.header, "epoch": next_epoch})
+        stats["_checkpoint"] = checkpoint_torch.save_operator(_operator(), request)
+        state = None
+    else:
+        state = get_state(next_epoch)  # every rank takes part; rank 0 gets the state
+    if state is not None:
+        if capture.path is not None and os.path.isdir(os.path.dirname(capture.path)):
+            ckpt.save_checkpoint(
+                {**capture.envelope, "epoch": next_epoch, "epoch_step": 0, **state}, capture.path
+            )
+            stats["_state_path"] = capture.path
+        else:
+            stats["_state"] = state
+    if "profile" in stats:
+        stats["profile"]["capture_s"] = time.perf_counter() - start
+
+
+def validate(
+    num_steps: int | None, info: dict[str, Any] | None, profile: bool = False
+) -> dict[str, Any]:
+    """Evaluate ``num_steps`` batches (None: all) of this worker's share of the validation data."""
     operator = _operator()
     if operator.val_loader is None:
         raise ValueError(
             "validate() needs validation data: make data_creator return (train_loader, val_loader)."
         )
+    operator.timer = PhaseTimer(profile, operator.device)
+    start = time.perf_counter()
     with operator.strategy.worker_scope(operator.context):
-        return operator.validate(operator.val_loader, {**(info or {}), "num_steps": num_steps})
+        stats = operator.validate(operator.val_loader, {**(info or {}), "num_steps": num_steps})
+    if profile:
+        stats["profile"] = operator.timer.report(time.perf_counter() - start)
+    operator.timer = PhaseTimer()
+    return stats
+
+
+def update_scheduler(metric: Any) -> None:
+    """``scheduler.step(metric)`` for every scheduler on this worker (e.g. ReduceLROnPlateau)."""
+    for scheduler in _operator().schedulers:
+        scheduler.step(metric)
 
 
 def get_state(epoch: int) -> dict[str, Any] | None:
@@ -195,14 +323,10 @@ def get_state(epoch: int) -> dict[str, Any] | None:
         full = strategy.full_state_dict(operator.components, operator.context)
     if operator.world_rank != 0:
         return None
-    components = operator.components
     return {
         "models": full["models"],
         "optimizers": full["optimizers"],
-        "schedulers": [s.state_dict() for s in components.schedulers],
-        "scaler": components.precision.state_dict() if components.precision else None,
-        "operator": operator.state_dict(),
-        "global_step": operator.global_step,
+        **checkpoint_torch.trainer_state(operator),
     }
 
 
@@ -213,14 +337,17 @@ def load_state(state: dict[str, Any]) -> None:
     strategy: TorchStrategy = operator.strategy
     with strategy.worker_scope(operator.context):
         strategy.load_full_state_dict(components, state, operator.context)
-    for scheduler, sched_state in zip(
-        components.schedulers, state.get("schedulers") or [], strict=False
-    ):
-        scheduler.load_state_dict(sched_state)
-    if components.precision is not None:
-        components.precision.load_state_dict(state.get("scaler"))
-    operator.load_state_dict(state.get("operator") or {})
-    operator.global_step = int(state.get("global_step", 0))
+    checkpoint_torch.load_trainer_state(operator, state)
+
+
+def load_state_file(path: str) -> None:
+    """Read a checkpoint file rank 0 wrote (on this node) and load it on this worker."""
+    load_state(ckpt.load_checkpoint(path, framework="torch"))
+
+
+def sees_file(path: str) -> bool:
+    """Whether ``path`` is a file on this worker's node."""
+    return os.path.isfile(path)
 
 
 def apply_to_operator(fn: Any) -> Any:
@@ -242,3 +369,4 @@ def peak_memory_mb(device: torch.device) -> float:
 def teardown_worker() -> None:
     """Drop this worker's trainer state."""
     WORKER_STATE.pop(_KEY, None)
+    WORKER_STATE.pop(_CURSOR, None)

@@ -31,6 +31,16 @@ Example::
         tune_config=tune.TuneConfig(metric="val_accuracy", mode="max",
                                     scheduler=ASHAScheduler(), num_samples=8))
 
+Warm workers across trials: a trial's workers live in the trial's placement
+group and are owned by the trial's trainable actor, so they can outlive a
+trial only together with that actor. With ``tune.TuneConfig(reuse_actors=True)``
+Tune keeps the trainable actor and its placement group for the next trial of
+the same resources, and that trial's trainer takes the previous trial's workers
+from the actor's warm pool (:mod:`polytrain.launchers.pool`), reset, with torch
+and the backend imported: no new actors, no imports. Without it (Tune's default)
+every trial starts cold: Tune removes the placement group, and Ray kills the
+workers with it and with their owner.
+
 The module lives in ``trainer_api`` so that ``BaseTrainer.as_trainable`` needs
 nothing above it; :mod:`polytrain.tune` is its public face. ``ray.tune`` is
 imported only when a trainable or a placement group is built, so importing a
@@ -40,6 +50,7 @@ trainer never loads it.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import tempfile
 from collections.abc import Callable
@@ -170,9 +181,20 @@ def _resources_of(
 
 
 # --------------------------------------------------------------- trials
+def train_epoch(trainer: Any, num_steps: int | None) -> dict[str, Any]:
+    """One epoch, or a shortened one of at most ``num_steps`` batches, on any trainer.
+
+    ``train(num_steps=N)`` continues the epoch (RaySGD's rule); an "epoch of N
+    batches" (Tune's ``num_steps``, ``polytrain compare --num-steps``) must end it.
+    """
+    if num_steps is not None and "end_epoch" in inspect.signature(trainer.train).parameters:
+        return trainer.train(num_steps=num_steps, end_epoch=True)
+    return trainer.train(num_steps=num_steps)
+
+
 def _epoch_metrics(trainer: Any, validate: bool, num_steps: int | None) -> dict[str, Any]:
     """Train (and validate) one epoch; the metrics a trial reports for it."""
-    metrics = dict(trainer.train(num_steps=num_steps))
+    metrics = dict(train_epoch(trainer, num_steps))
     if validate:
         # val_loss, val_accuracy keep their names; val_num_samples etc. stay apart
         # from the train metrics of the same name.
@@ -230,6 +252,9 @@ def make_trainable(
         num_steps: train only this many batches per reported "epoch".
         trainable_resources: bundle 0 of the trial's placement group (default 1 CPU).
         **trainer_kwargs: the trainer's arguments, as for ``trainer_cls(...)``.
+
+    Pass ``tune.TuneConfig(reuse_actors=True)`` to let each trial take the previous
+    trial's warm workers (see the module docstring).
 
     Returns:
         A function trainable carrying its per-trial resources (``tune.with_resources``).

@@ -12,7 +12,6 @@ hooks: how workers are set up, and how a state leaves and enters them.
 from __future__ import annotations
 
 import abc
-import os
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -21,10 +20,10 @@ from polytrain.backends.base import Backend
 from polytrain.backends.context import WorkerContext
 from polytrain.backends.registry import get_backend
 from polytrain.backends.rendezvous import Rendezvous
-from polytrain.errors import TrainerShutdownError
+from polytrain.errors import ConfigTypeError, TrainerShutdownError
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.factory import make_group
-from polytrain.trainer_api import checkpoint as ckpt
+from polytrain.trainer_api.checkpoint_trainer import CheckpointDirMixin
 from polytrain.trainer_api.checkpointing import CheckpointManager
 from polytrain.trainer_api.config import (
     CheckpointConfig,
@@ -39,16 +38,34 @@ from polytrain.trainer_api.policies import (
     ProgressReporter,
     ScalingPolicy,
 )
+from polytrain.trainer_api.recovery import RecoveryStore
+from polytrain.trainer_api.step_checkpoints import StepCheckpointPlan
+from polytrain.trainer_api.tracking import TrainerLoggers
+from polytrain.trainer_api.trainer_state import StateMixin
 
 
-def _shutdown_group(rendezvous: Rendezvous | None, group: WorkerGroup) -> None:
+def _shutdown_group(rendezvous: Rendezvous | None, group: WorkerGroup, force: bool = False) -> None:
     # Module-level (not a method): the finalizer that calls it must not keep the trainer alive.
+    if force:
+        # No clean-up call that could wait on a stuck worker, and no warm pool for
+        # workers whose process groups were never torn down: kill them now.
+        getattr(group, "terminate", group.shutdown)()
+        return
     if rendezvous is not None:
         rendezvous.shutdown(group)  # never raises: dead workers are shut down too
     group.shutdown()
 
 
-class BaseTrainer(abc.ABC):
+def _check_init_hook(init_hook: Any) -> Callable[[], None] | None:
+    if init_hook is not None and not callable(init_hook):
+        raise ConfigTypeError(
+            f"init_hook must be a function of no arguments run on every worker; got "
+            f"{type(init_hook).__name__}: {init_hook!r}."
+        )
+    return init_hook
+
+
+class BaseTrainer(CheckpointDirMixin, StateMixin, abc.ABC):
     """Shared driver logic: options, the worker group, retries, elastic size, checkpoints.
 
     Subclasses set ``framework``, call ``super().__init__`` and then
@@ -70,6 +87,13 @@ class BaseTrainer(abc.ABC):
         checkpoint_config: :class:`CheckpointConfig` or a dict of its fields.
         use_fp16: mixed precision.
         use_tqdm: show rank 0's progress as a bar on the driver.
+        init_hook: a function of no arguments run on every worker right after the
+            group starts (and again after every restart), before the backend connects
+            the workers and before the creators: environment variables, logging, a
+            library's global settings.
+        loggers: experiment trackers: Logger instances or names ("tensorboard",
+            "mlflow", "wandb", "csv"); they receive the reduced metrics of every
+            ``train()``/``validate()`` (see :mod:`polytrain.trainer_api.tracking`).
 
     Raises:
         ConfigError: an option that is not allowed (:class:`ConfigTypeError` for a
@@ -92,6 +116,8 @@ class BaseTrainer(abc.ABC):
         checkpoint_config: CheckpointConfig | dict | None = None,
         use_fp16: bool = False,
         use_tqdm: bool = False,
+        init_hook: Callable[[], None] | None = None,
+        loggers: Any = None,
     ) -> None:
         # First: shutdown() and the finalizer must work even if validation fails.
         self._group: WorkerGroup | None = None
@@ -119,11 +145,21 @@ class BaseTrainer(abc.ABC):
             use_gpu=self.scaling.use_gpu,
             use_fp16=self.use_fp16,
         )
+        self.init_hook = _check_init_hook(init_hook)
+        #: The data position: the current epoch (counted from 0; the number of epochs
+        #: completed) and the batches of it already trained.
         self.epoch = 0
+        self._epoch_step = 0
+        self._global_step = 0
+        self._retries_requested = False
         self._group_size = self.scaling.num_workers
         self.failure_policy = FailurePolicy(self.failure.max_retries)
         self.scaling_policy = ScalingPolicy(self.scaling)
         self.checkpoint_manager = CheckpointManager(self.checkpoint, keep_latest=self._keeps_state)
+        # Mid-epoch checkpoints (torch trainers; TFTrainer's calls are whole epochs).
+        self._step_plan = StepCheckpointPlan(self.checkpoint.every_n_steps, self.checkpoint.every_s)
+        self.recovery = RecoveryStore(self.checkpoint, self.checkpoint_manager)
+        self._loggers = TrainerLoggers(loggers, log_dir=None)
 
     @classmethod
     def from_config(cls, path: str | Any, **overrides: Any) -> BaseTrainer:
@@ -163,6 +199,7 @@ class BaseTrainer(abc.ABC):
         """Whether epoch ends keep a state: for retries, elastic training or checkpoint files."""
         return (
             self.failure.max_retries > 0
+            or self._retries_requested
             or self.checkpoint.checkpoint_dir is not None
             or self.scaling.min_workers is not None
         )
@@ -202,6 +239,8 @@ class BaseTrainer(abc.ABC):
         )
         try:
             group.start()
+            if self.init_hook is not None:
+                group.execute(self.init_hook)
             rendezvous.on_start(group, self._context_template())
             self._setup_workers(group)
         except BaseException:
@@ -210,6 +249,7 @@ class BaseTrainer(abc.ABC):
         self._group, self._rendezvous = group, rendezvous
         # Release the actors even if the user never calls shutdown().
         self._finalizer = weakref.finalize(self, _shutdown_group, rendezvous, group)
+        self._resume_if_requested()  # CheckpointConfig(resume=True): once, at the first start
 
     def _ensure_open(self) -> None:
         if self._shut_down:
@@ -268,122 +308,79 @@ class BaseTrainer(abc.ABC):
         fn: Callable[..., Any],
         *args: Any,
         progress: str | None = None,
+        max_retries: int | None = None,
+        args_fn: Callable[[], tuple[Any, ...]] | None = None,
     ) -> list[Any]:
         """Run ``fn`` on every worker (results in rank order), restarting the group after a lost or hung worker.
 
         The :class:`FailurePolicy` decides: a worker that died (killed, out of
         memory, node lost) or hung is replaced (the group is torn down, a new one
-        starts, the latest epoch-end state is restored and the call is repeated)
-        up to ``max_retries`` restarts over the trainer's life. Anything else, an
+        starts, the latest recovery point is restored and the call is repeated)
+        up to ``failure_config.max_retries`` restarts over the trainer's life, or
+        ``max_retries`` restarts of this call when given. Anything else, an
         exception raised by user code above all, shuts the trainer down.
+        ``args_fn`` (instead of ``args``) builds the arguments for every attempt:
+        a repeated call starts from the restored position.
         """
+        restarts = 0
         while True:
+            call_args = args_fn() if args_fn is not None else args
             try:
-                return self._run_once(fn, *args, progress=progress)
+                return self._run_once(fn, *call_args, progress=progress)
             except BaseException as exc:
-                if not self.failure_policy.should_retry(exc):
+                if not self.failure_policy.should_retry(exc, max_retries, restarts):
                     self._shut_down = True
                     raise
+                restarts += 1
                 self.failure_policy.record_restart(exc)
                 self._restart()
 
-    def _restart(self, num_workers: int | None = None) -> None:
-        """Start a fresh group and restore the latest epoch-end state into it.
+    def _log(self, prefix: str, stats: dict[str, Any]) -> None:
+        # The epoch the call's batches belonged to (trainer.epoch has already moved on
+        # when the call ended an epoch); validation goes with the last trained epoch.
+        if prefix == "train" and isinstance(stats.get("epoch"), int):
+            self._logged_epoch = stats["epoch"]
+        epoch = getattr(self, "_logged_epoch", self.epoch)
+        self._loggers.log(prefix, stats, self._global_step, epoch, self._run_info)
 
-        ``num_workers`` None: the :class:`ScalingPolicy` sizes the group (with
-        ``min_workers``, as many workers as the cluster holds now).
-        """
-        self._teardown_group()
-        self._group_size = num_workers or self.scaling_policy.restart_size()
-        self._start()
-        if self.checkpoint_manager.latest is not None:
-            self.load_state_dict(self.checkpoint_manager.latest)
-
-    def _begin_epoch(self) -> int:
-        """Before an epoch: grow a shrunk elastic group back if it fits; return the epoch."""
-        self._ensure_open()
-        if self.checkpoint_manager.latest is not None and self.scaling_policy.should_grow(
-            self._group_size
-        ):
-            self._restart(self.scaling.num_workers)
-        return self.epoch
-
-    def _end_epoch(self, stats: dict[str, Any], state: dict[str, Any] | None) -> dict[str, Any]:
-        """After an epoch (``self.epoch`` already advanced): add restart and size stats, keep ``state``."""
-        stats["num_restarts"] = self.num_restarts
-        stats["num_workers"] = self.num_workers
-        if state is not None:
-            path = self.checkpoint_manager.remember(self._wrap_state(state))
-            if path is not None:
-                stats["checkpoint_path"] = path
-        return stats
-
-    # ----------------------------------------------------------- checkpoints
-    def _wrap_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The portable checkpoint envelope around a framework state (see :mod:`.checkpoint`)."""
+    def _run_info(self) -> dict[str, Any]:
         return {
-            "format": ckpt.FORMAT,
-            "version": ckpt.VERSION,
-            "framework": self.framework,
+            "config": dict(self.config),
             "backend": self.backend.name,
-            "world_size": self.scaling.world_size,
-            "epoch": self.epoch,
-            **state,
+            "num_workers": self.scaling.num_workers,
+            "framework": self.framework,
         }
-
-    def state_dict(self) -> dict[str, Any]:
-        """The consolidated training state as a portable checkpoint dict."""
-        return self._wrap_state(self._worker_state())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a state from :meth:`state_dict` or :meth:`load` on every worker.
-
-        Any backend of the same framework and any world size may have written it.
-
-        Raises:
-            CheckpointError: not a checkpoint dict of this framework; nothing is loaded.
-        """
-        self._ensure_open()
-        ckpt.validate_checkpoint(state, "state", framework=self.framework)
-        self._load_worker_state(state)
-        self.epoch = int(state["epoch"])
-        # A restart must not fall back behind a loaded checkpoint.
-        self.checkpoint_manager.loaded(state)
-
-    def save(self, path: str | os.PathLike) -> str:
-        """Write a consolidated checkpoint to ``path`` atomically; returns the absolute path."""
-        return str(ckpt.save_checkpoint(self._file_state(self.state_dict()), path))
-
-    def load(self, path: str | os.PathLike) -> None:
-        """Load a checkpoint written by :meth:`save` under any backend or world size.
-
-        The file is read with ``weights_only=True`` and validated before anything
-        changes.
-
-        Raises:
-            CheckpointError: the file is missing, corrupted, not a polytrain checkpoint
-                or written by a trainer of another framework; nothing is loaded then.
-        """
-        self._ensure_open()
-        self.load_state_dict(ckpt.load_checkpoint(path, framework=self.framework))
 
     def apply_all_workers(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """Run ``fn(*args)`` in every worker process; returns the results in rank order."""
         return self._run(fn, *args)
 
     # -------------------------------------------------------------- shutdown
-    def _teardown_group(self) -> None:
+    def _teardown_group(self, force: bool = False) -> None:
         group, self._group = self._group, None
         rendezvous, self._rendezvous = self._rendezvous, None
         if group is not None:
             if self._finalizer is not None:
                 self._finalizer.detach()
-            _shutdown_group(rendezvous, group)
+            _shutdown_group(rendezvous, group, force)
 
-    def shutdown(self) -> None:
-        """Stop every worker and release their resources. Later calls raise."""
-        self._teardown_group()
+    def shutdown(self, force: bool = False) -> None:
+        """Stop every worker and release their resources. Later calls raise.
+
+        Args:
+            force: kill the worker processes at once, without the backend's clean-up
+                call on the workers (destroying process groups), which waits up to a
+                few seconds for workers stuck in a collective. For a hung or broken
+                group; the default shutdown is as quick for a healthy one.
+        """
+        if not force:
+            self._flush_checkpoints()  # background checkpoint writes finish and commit
+        self._teardown_group(force=force)
+        self.scaling_policy.release()  # an autoscaler may let the extra nodes go
         self._shut_down = True
+        self._loggers.finish()
+        self.recovery.close()
+        self.checkpoint_manager.close()
 
     def __enter__(self) -> BaseTrainer:
         return self

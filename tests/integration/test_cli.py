@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import math
 import os
 import re
@@ -102,6 +103,37 @@ def test_train_prints_metrics_and_writes_a_checkpoint(ray_address, tmp_path):
     assert "lr: 0.05" in (tmp_path / "run_config.yaml").read_text()
 
 
+def test_resume_continues_a_stopped_run_and_checkpoints_convert_offline(ray_address, tmp_path):
+    options = ("--out", str(tmp_path), "--address", ray_address, "--no-progress")
+    first = run_cli("train", "-c", DDP, "num_steps=3", "epochs=2", *options)
+    assert first.returncode == 0, first.stderr
+    # The epoch-end checkpoints went into the run directory: a driver stopped here can resume.
+    committed = sorted((tmp_path / "checkpoints").glob("checkpoint_*/COMMITTED"))
+    assert committed, list(tmp_path.rglob("*"))
+    resumed = run_cli("train", "-c", DDP, "num_steps=3", "epochs=3", *options, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed at epoch 2 of 3" in resumed.stdout
+    assert re.findall(r"^epoch (\d): loss", resumed.stdout, re.M) == ["2"]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in lines] == [0, 1, 2]  # appended, not rewritten
+
+    newest = sorted((tmp_path / "checkpoints").glob("checkpoint_*"))[-1]
+    inspect = run_cli("checkpoint", "inspect", str(newest))
+    assert inspect.returncode == 0, inspect.stderr
+    assert json.loads(inspect.stdout)["epoch"] == 3
+    converted = tmp_path / "converted.pt"
+    convert = run_cli("checkpoint", "convert", str(newest), str(converted))
+    assert convert.returncode == 0, convert.stderr
+    state = load_checkpoint(converted, framework="torch")
+    assert state["epoch"] == 3 and state["backend"] == "ddp"
+
+
+def test_resume_without_a_place_to_resume_from_is_refused(tmp_path):
+    proc = run_cli("train", "-c", DDP, "--resume", timeout=120)
+    assert proc.returncode != 0
+    assert "--resume" in proc.stderr and "--out" in proc.stderr
+
+
 # ------------------------------------------------------------------ compare
 def test_compare_two_backends_writes_table_csv_and_plot(ray_address, tmp_path):
     second = _second_backend()
@@ -123,6 +155,71 @@ def test_compare_two_backends_writes_table_csv_and_plot(ray_address, tmp_path):
     png = tmp_path / "compare.png"
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     assert str(png) in proc.stdout
+
+
+def test_train_logs_to_csv_and_tensorboard(ray_address, tmp_path):
+    """`train --logger`: hyperparameters once, train and val metrics per epoch, step + epoch axes."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    proc = run_cli(
+        "train", "-c", DDP, "epochs=2", "num_steps=3", "--logger", "csv,tensorboard",
+        "--out", str(tmp_path), "--address", ray_address, "--no-progress",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [(r["step"], r["epoch"], bool(r["train/loss"]), bool(r["val/loss"])) for r in rows] == [
+        ("3", "0", True, False), ("3", "0", False, True), ("6", "1", True, False), ("6", "1", False, True),
+    ]  # fmt: skip
+    jsonl = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [float(rows[i]["train/loss"]) for i in (0, 2)] == pytest.approx(
+        [j["loss"] for j in jsonl]
+    )
+    hparams = (tmp_path / "hparams.yaml").read_text()
+    assert "backend: ddp" in hparams and "config/lr: 0.1" in hparams and "num_workers: 2" in hparams
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("val/accuracy")] == [3, 6]
+    assert [e.value for e in events.Scalars("epoch")] == [0.0, 1.0]
+    assert f"tensorboard: {tmp_path / 'tensorboard'}" in proc.stdout
+
+
+def test_compare_puts_both_frameworks_in_one_table(ray_address, tmp_path):
+    """digits_both.yaml: the torch and Keras versions of the job side by side (issue 16.5)."""
+    proc = run_cli(
+        "compare", "-c", "examples/configs/digits_both.yaml", "--backends", "ddp,mwms",
+        "--epochs", "2", "--num-steps", "3", "--out", str(tmp_path), "--address", ray_address,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = list(csv.DictReader((tmp_path / "compare.csv").open()))
+    assert [(r["backend"], r["framework"], r["status"]) for r in rows] == [
+        ("ddp", "torch", "ok"),
+        ("mwms", "tensorflow", "ok"),
+    ]
+    for row in rows:
+        assert len(row["losses"].split(";")) == 2 and 0 <= float(row["val_accuracy"]) <= 1
+        assert row["diverges"] == "False"  # each framework is its own reference
+    assert re.search(r"^mwms\s+ok\s+.*tensorflow\s+ref", proc.stdout, re.M), proc.stdout
+    assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_flags_a_backend_whose_settings_change_the_result(ray_address, tmp_path):
+    """DeepSpeed with gradient clipping on: its row is marked, with the setting named (16.6)."""
+    proc = run_cli(
+        "compare", "-c", "examples/configs/deepspeed.yaml", "--backends", "ddp,deepspeed",
+        "backend_config.config.gradient_clipping=0.01", "--epochs", "1", "--num-steps", "8",
+        "--out", str(tmp_path), "--address", ray_address,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["backend"]: r for r in csv.DictReader((tmp_path / "compare.csv").open())}
+    assert rows["ddp"]["diverges"] == "False" and rows["deepspeed"]["diverges"] == "True"
+    assert float(rows["deepspeed"]["final_loss"]) > float(rows["ddp"]["final_loss"]) * 1.02
+    note = rows["deepspeed"]["divergence"]
+    assert note.startswith("final loss") and "vs ddp" in note
+    assert "gradient clipping (backend_config.config.gradient_clipping=0.01)" in note
+    assert re.search(r"^deepspeed\s+ok\s+.*\+\d+\.\d% !", proc.stdout, re.M), proc.stdout
+    assert re.search(
+        r"^! deepspeed: final loss .* likely cause: gradient clipping", proc.stdout, re.M
+    )
 
 
 # -------------------------------------------------------------------- check

@@ -231,6 +231,8 @@ def test_failure_inside_collective_reaches_driver_without_hang(
         config={"batch_size": 32},
         num_workers=2,
         backend="horovod",
+        # The error itself must arrive: recovery (on by default) would replace the worker.
+        failure_config={"max_retries": 0},
     )
     start = time.monotonic()
     with pytest.raises(error, match=match) as info:

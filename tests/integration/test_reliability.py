@@ -120,13 +120,13 @@ def test_checkpoint_dir_gets_epoch_checkpoints(tmp_path):
         checkpoint_config={"checkpoint_dir": str(tmp_path), "num_to_keep": 2},
     )
     try:
-        paths = [trainer.train(num_steps=5)["checkpoint_path"] for _ in range(3)]
+        # Shortened epochs of 5 batches: each call ends an epoch, and rank 0 writes its file.
+        paths = [trainer.train(num_steps=5, end_epoch=True)["checkpoint_path"] for _ in range(3)]
     finally:
         trainer.shutdown()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "checkpoint_epoch_000002.pt",
-        "checkpoint_epoch_000003.pt",
-    ]
+    # One checkpoint per epoch end; the newest num_to_keep=2 are kept.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [os.path.basename(p) for p in paths[1:]]
+    assert paths[1] < paths[2] and not os.path.exists(paths[0])
     resumed = TorchTrainer(**DIGITS, config=CONFIG, num_workers=1)
     try:
         resumed.load(paths[-1])
@@ -155,7 +155,7 @@ def test_hang_is_reported_with_stuck_rank_and_stacks(no_leftover_actors):
         training_operator_cls=HangOnce,
         config=CONFIG,
         num_workers=2,
-        failure_config={"hang_timeout_s": hang_timeout},
+        failure_config={"hang_timeout_s": hang_timeout, "max_retries": 0},
     )
     start = time.monotonic()
     with pytest.raises(WorkerHangError) as info:

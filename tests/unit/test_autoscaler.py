@@ -18,6 +18,7 @@ from polytrain.launchers.autoscaler import (
     nodes_to_add,
     pending_from_status,
     shape_from_config,
+    start_timeout,
     waiting_message,
 )
 
@@ -176,3 +177,16 @@ def test_setup_commands_per_node_type():
         "plain": ["common", "workers"],
         "own": ["replaces everything"],
     }
+
+
+def test_start_timeout_is_minutes_only_where_an_autoscaler_may_add_nodes():
+    from polytrain.launchers.autoscaler import AUTOSCALER_START_TIMEOUT_S, START_TIMEOUT_S
+    from polytrain.launchers.scaling import ScalingConfig
+
+    default = ScalingConfig(num_workers=2).start_timeout_s
+    assert default is None
+    assert start_timeout(default, None) == START_TIMEOUT_S == 30.0
+    assert start_timeout(default, FAKE) == AUTOSCALER_START_TIMEOUT_S >= 300
+    # A value the user gives is used as given, with or without an autoscaler.
+    assert start_timeout(5.0, FAKE) == start_timeout(5.0, None) == 5.0
+    assert start_timeout(0.0, FAKE) == 0.0

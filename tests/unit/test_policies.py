@@ -37,6 +37,30 @@ def test_failure_policy_retries_lost_and_hung_workers_within_the_budget():
     assert not policy.should_retry(died)  # budget spent
 
 
+def test_failure_config_retries_lost_workers_three_times_by_default():
+    from polytrain.trainer_api.config import FailureConfig
+
+    assert FailureConfig().max_retries == 3  # RaySGD's default
+    died = WorkerDiedError("rank 1 died", rank=1)
+    policy = FailurePolicy(FailureConfig().max_retries)
+    for _ in range(3):
+        assert policy.should_retry(died)
+        policy.record_restart(died)
+    assert not policy.should_retry(died)
+
+
+def test_a_call_budget_overrides_the_trainers_budget():
+    died = WorkerDiedError("rank 1 died", rank=1)
+    spent = FailurePolicy(max_retries=1)
+    spent.record_restart(died)
+    assert not spent.should_retry(died)
+    assert spent.should_retry(died, call_max_retries=2, call_restarts=1)  # train(max_retries=2)
+    assert not spent.should_retry(died, call_max_retries=2, call_restarts=2)
+    assert not FailurePolicy(max_retries=3).should_retry(died, call_max_retries=0)
+    user_error = WorkerError("user code raised", rank=0)
+    assert not FailurePolicy(max_retries=3).should_retry(user_error, call_max_retries=5)
+
+
 @pytest.mark.parametrize(
     "error",
     [WorkerError("user code raised", rank=0), ValueError("bad"), KeyboardInterrupt()],
@@ -62,6 +86,38 @@ def test_scaling_policy_restarts_with_what_fits_and_grows_back():
     free["workers"] = 2
     assert policy.should_grow(2)
     assert not policy.should_grow(4)
+
+
+def test_a_shrunk_group_asks_the_autoscaler_for_the_missing_nodes_and_withdraws_the_ask():
+    free, asks = {"workers": 0}, []
+    scaling = ScalingConfig(num_workers=4, min_workers=2)
+
+    def request(workers: int) -> bool:
+        asks.append(workers)
+        return True
+
+    policy = ScalingPolicy(scaling, placeable=lambda: free["workers"], request=request)
+    assert not policy.should_grow(2)
+    assert not policy.should_grow(2)  # the standing ask is not repeated
+    assert asks == [4]
+    free["workers"] = 2  # the autoscaler added a node
+    assert policy.should_grow(2)
+    assert not policy.should_grow(4)  # at full size: the ask is withdrawn
+    assert asks == [4, 0]
+    policy.release()  # nothing left to withdraw
+    assert asks == [4, 0]
+
+
+def test_without_an_autoscaler_nothing_is_asked_again():
+    asks = []
+    policy = ScalingPolicy(
+        ScalingConfig(num_workers=4, min_workers=2),
+        placeable=lambda: 0,
+        request=lambda n: asks.append(n) or False,
+    )
+    assert not policy.should_grow(2) and not policy.should_grow(3)
+    policy.release()
+    assert asks == [4]
 
 
 def test_scaling_policy_gives_up_below_min_workers():

@@ -25,8 +25,12 @@ from polytrain.trainer_api.run_config import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = sorted((REPO_ROOT / "examples" / "configs").glob("*.yaml"))
+#: One config per backend (named after it); digits_both.yaml carries both frameworks.
+CONFIGS = sorted(
+    p for p in (REPO_ROOT / "examples" / "configs").glob("*.yaml") if p.stem != "digits_both"
+)
 DDP = REPO_ROOT / "examples" / "configs" / "ddp.yaml"
+BOTH = REPO_ROOT / "examples" / "configs" / "digits_both.yaml"
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -80,6 +84,72 @@ def test_torch_example_configs_differ_only_in_backend():
     tf = yaml.safe_load((DDP.parent / "mwms.yaml").read_text())
     assert tf["config"] == reference["config"]  # the same job under TensorFlow
     assert (tf["num_workers"], tf["epochs"]) == (reference["num_workers"], reference["epochs"])
+
+
+# ----------------------------------------------------- both frameworks (16.5)
+def test_a_config_with_both_frameworks_follows_the_backend():
+    run = load_config(BOTH)
+    assert run.frameworks == ("torch", "tensorflow")
+    assert (run.trainer, run.backend_name, run.model) == (
+        "torch",
+        "ddp",
+        "examples.digits:model_creator",
+    )
+    assert (
+        run.scheduler_step_freq == "epoch" and run.optimizer == "examples.digits:optimizer_creator"
+    )
+    tf = run.with_backend("mwms")
+    assert (tf.trainer, tf.model, tf.optimizer) == (
+        "tensorflow",
+        "examples.tf_digits:model_creator",
+        None,
+    )
+    assert tf.config == run.config and tf.num_workers == run.num_workers == 2
+    back = tf.with_backend("hvd")
+    assert (back.trainer, back.backend_name, back.model) == ("torch", "horovod", run.model)
+    assert load_config(BOTH, ["backend=mwms"]).trainer == "tensorflow"
+    # the same job: the torch and Keras versions read the shared config and data
+    ddp, mwms = load_config(DDP), load_config(DDP.parent / "mwms.yaml")
+    assert run.config == ddp.config == mwms.config
+    assert run.resolve_creators().keys() == ddp.resolve_creators().keys()
+    assert tf.resolve_creators().keys() == mwms.resolve_creators().keys()
+    # saved next to a run it loads again, sections and all
+    assert RunConfig.model_validate(run.to_dict()).frameworks == ("torch", "tensorflow")
+
+
+def test_framework_sections_merge_config_and_reject_conflicts(tmp_path):
+    path = _write(
+        tmp_path,
+        "config: {lr: 0.1, batch_size: 64}\n"
+        "torch: {model: a.b:m, data: a.b:d, optimizer: a.b:o}\n"
+        "tensorflow: {model: c.d:m, data: c.d:d, config: {lr: 0.05}}\n",
+    )
+    assert load_config(path).config == {"lr": 0.1, "batch_size": 64}
+    assert load_config(path, ["backend=mwms"]).config == {"lr": 0.05, "batch_size": 64}
+    with pytest.raises(
+        ConfigError, match="model: set both at the top level and in the torch: section"
+    ):
+        load_config(path, ["model=x.y:z"])
+    with pytest.raises(ConfigError, match=r"torch\.modle: unknown key \(did you mean 'model'\?\)"):
+        load_config(path, ["torch.modle=x.y:z"])
+    with pytest.raises(ConfigError, match="has only a torch: section; add a tensorflow: section"):
+        load_config(path, ["tensorflow=null", "backend=mwms"])
+
+
+def test_loggers_key_is_checked_and_passed_to_trainers_that_take_it():
+    run = load_config(DDP, ["loggers=[tensorboard, csv]"])
+    assert run.loggers == ["tensorboard", "csv"]
+    assert load_config(DDP, ["loggers=mlflow,wandb"]).loggers == "mlflow,wandb"
+    with pytest.raises(
+        ConfigError, match="loggers: unknown logger 'tensorbord'; choose from tensorboard"
+    ):
+        load_config(DDP, ["loggers=[tensorbord]"])
+
+    def takes_loggers(config, backend, loggers=None, **creators_and_options):
+        pass
+
+    kwargs = run.trainer_kwargs(takes_loggers)
+    assert kwargs["loggers"] == ["tensorboard", "csv"]
 
 
 # --------------------------------------------------------------- overrides
@@ -387,6 +457,22 @@ def test_cli_parses_every_subcommand():
         ["submit", "--address", "http://h:8265", "--", "polytrain", "train", "-c", "x.yaml"]
     )
     assert args.entrypoint[-4:] == ["polytrain", "train", "-c", "x.yaml"]
+
+
+def test_cli_parses_loggers_tolerance_and_verbose(capsys):
+    parser = build_parser()
+    args = parser.parse_args(["train", "-c", "x.yaml", "--logger", "tensorboard,csv", "-v"])
+    assert args.logger == "tensorboard,csv" and args.verbose is True
+    assert parser.parse_args(["--verbose", "compare", "-c", "x.yaml"]).verbose is True
+    assert parser.parse_args(["compare", "-c", "x.yaml"]).verbose is False
+    assert parser.parse_args(["compare", "-c", "x.yaml"]).tolerance == 0.02
+    assert parser.parse_args(["compare", "-c", "x.yaml", "--tolerance", "5%"]).tolerance == 0.05
+    assert parser.parse_args(["compare", "-c", "x.yaml", "--tolerance", "0.1"]).tolerance == 0.1
+    with pytest.raises(SystemExit):
+        parser.parse_args(["compare", "-c", "x.yaml", "--tolerance", "lots"])
+    assert "'lots' is not a relative tolerance" in capsys.readouterr().err
+    assert main(["train", "-c", str(DDP), "--logger", "tensorbord"]) == 2
+    assert "Unknown logger 'tensorbord'" in capsys.readouterr().err
 
 
 def test_cli_config_errors_exit_2(capsys):

@@ -86,13 +86,18 @@ def test_worker_env_sets_tf_config_and_own_gpu_only():
         worker_env(ADDRESSES, 0, gpu_ids=(), use_gpu=True)
 
 
-def test_backend_registry_config_and_settings():
+def test_backend_registry_config_and_settings(monkeypatch):
+    monkeypatch.delenv("POLYTRAIN_VERBOSE", raising=False)
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     backend = get_backend("tf", {"communication": "RING", "auto_shard_policy": "off"})
     assert isinstance(backend, MultiWorkerMirroredBackend)
     assert backend.framework == "tensorflow"
     assert backend.config == MWMSConfig(communication="ring", auto_shard_policy="off")
     assert MWMSConfig() == MWMSConfig(communication="auto", auto_shard_policy="data")
-    assert backend.make_rendezvous().worker_env_vars() == {LEGACY_KERAS_VAR: "1"}
+    assert backend.make_rendezvous().worker_env_vars() == {
+        LEGACY_KERAS_VAR: "1",
+        "TF_CPP_MIN_LOG_LEVEL": "3",  # quiet by default (issue 16.4)
+    }
     with pytest.raises(ValueError, match=r"communication \('gloo'\) is not supported.*'ring'"):
         MWMSConfig(communication="gloo")
     with pytest.raises(ValueError, match=r"auto_shard_policy \('hint'\).*'data', 'file'"):
@@ -163,7 +168,7 @@ def test_rendezvous_gives_every_worker_its_tf_config(monkeypatch):
     rendezvous.on_start(group, WorkerContext(world_size=3))
     # One port request per node (by its first worker), then one TF_CONFIG per worker.
     assert group.calls == [(0, "_free_ports"), (2, "_free_ports")] + [
-        (rank, "_set_env") for rank in range(3)
+        (rank, "_connect_worker") for rank in range(3)
     ]
     tf_config = json.loads(os.environ["TF_CONFIG"])  # the last "worker" set it here
     addresses = tf_config["cluster"]["worker"]

@@ -14,7 +14,8 @@ class FailurePolicy:
 
     A lost worker (killed, out of memory, node gone: :class:`WorkerDiedError`)
     or a hung group (:class:`WorkerHangError`) is retried, up to ``max_retries``
-    restarts over the trainer's life. An exception raised by user code is never
+    restarts over the trainer's life (3 by default, as in RaySGD), or as many
+    restarts as a call allows itself. An exception raised by user code is never
     retried: it would fail the same way again. Nor is anything else
     (``KeyboardInterrupt``, a failed restart).
 
@@ -30,15 +31,29 @@ class FailurePolicy:
         self.max_retries = max_retries
         self.num_restarts = 0
 
-    def should_retry(self, error: BaseException) -> bool:
-        """True if ``error`` is retryable and the retry budget is not spent."""
-        return isinstance(error, self.retryable) and self.num_restarts < self.max_retries
+    def should_retry(
+        self,
+        error: BaseException,
+        call_max_retries: int | None = None,
+        call_restarts: int = 0,
+    ) -> bool:
+        """True if ``error`` is retryable and the retry budget is not spent.
+
+        The budget is ``max_retries`` restarts over the trainer's life, or, when a
+        call sets its own (``train(max_retries=...)``, as in RaySGD),
+        ``call_max_retries`` restarts of that call (``call_restarts`` so far).
+        """
+        if not isinstance(error, self.retryable):
+            return False
+        if call_max_retries is not None:
+            return call_restarts < call_max_retries
+        return self.num_restarts < self.max_retries
 
     def record_restart(self, error: BaseException) -> None:
         """Count a restart about to happen because of ``error``, and log it."""
         self.num_restarts += 1
         logger.warning(
-            "Restarting the worker group (restart %d of at most %d) after: %s",
+            "Restarting the worker group (restart %d; failure_config max_retries=%d) after: %s",
             self.num_restarts,
             self.max_retries,
             str(error).splitlines()[0] if str(error) else type(error).__name__,

@@ -1,0 +1,114 @@
+"""What the benchmarks launch: :class:`Case` and the commands of the native and polytrain runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import sys
+from pathlib import Path
+
+from benchmarks.workload import NUM_WORKERS, WorkloadSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+BIN = Path(sys.executable).parent
+
+
+@dataclasses.dataclass
+class Case:
+    """One thing to launch: its commands (all started at once) and what it needs."""
+
+    key: str
+    label: str
+    tag: str
+    kind: str  # "native" | "polytrain" | "raytrain" | "scenario" (metrics from driver.json)
+    commands: list[tuple[list[str], dict[str, str]]]
+    spec: WorkloadSpec
+    requires: tuple[str, ...] = ()
+    timeout_s: float = 300.0
+    baseline: str | None = None  # key of the case this one is compared with
+
+
+def _free_ports(count: int) -> list[int]:
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _py(script: str, *args: str) -> list[str]:
+    return [sys.executable, str(BENCH / script), *args]
+
+
+def _torchrun(script: str, *args: str) -> list[str]:
+    return [str(BIN / "torchrun"), f"--nproc_per_node={NUM_WORKERS}", str(BENCH / script), *args]
+
+
+# ------------------------------------------------------------------ cases
+def torch_cases(tag: str, spec: WorkloadSpec, prefix: str) -> list[Case]:
+    """The native run and the polytrain run of one torch backend on ``spec``."""
+    s = spec.to_json()
+    timeout = 600.0 if spec.model == "big" else 300.0
+    native = {
+        "ddp": ("torchrun + DDP script", _torchrun("native/ddp_native.py", "--spec", s), ()),
+        "fairscale": (
+            "torchrun + fairscale OSS/ShardedDDP script",
+            _torchrun("native/fairscale_native.py", "--spec", s),
+            ("fairscale",),
+        ),
+        "deepspeed": (
+            "torchrun + DeepSpeed ZeRO-2 engine script",
+            _torchrun("native/deepspeed_native.py", "--spec", s, "--stage", "2"),
+            ("deepspeed",),
+        ),
+        "fsdp": ("torchrun + FSDP script", _torchrun("native/fsdp_native.py", "--spec", s), ()),
+        "horovod": (
+            "horovodrun --gloo -np 2 + Horovod script",
+            [
+                str(BIN / "horovodrun"),
+                "--gloo",
+                "-np",
+                str(NUM_WORKERS),
+                sys.executable,
+                str(BENCH / "native/horovod_native.py"),
+                "--spec",
+                s,
+            ],
+            ("horovod",),
+        ),
+    }
+    backend_config = {"deepspeed": {"stage": 2}, "fairscale": {"mode": "sddp"}}.get(tag)
+    label, argv, requires = native[tag]
+    native_key = f"{prefix}/native-{tag}"
+    return [
+        Case(native_key, label, tag, "native", [(argv, {})], spec, requires, timeout),
+        Case(
+            f"{prefix}/polytrain-{tag}",
+            f'polytrain TorchTrainer(backend="{tag}")',
+            tag,
+            "polytrain",
+            [
+                (
+                    _py(
+                        "drivers/polytrain_torch.py",
+                        "--backend",
+                        tag,
+                        "--backend-config",
+                        json.dumps(backend_config),
+                        "--spec",
+                        s,
+                    ),
+                    {},
+                )
+            ],
+            spec,
+            requires,
+            timeout,
+            baseline=native_key,
+        ),
+    ]
