@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from polytrain.backends.base import Backend, BackendConfig
-from polytrain.backends.deepspeed_env import preserved_env
+from polytrain.backends.deepspeed_env import mlflow_hidden, preserved_env
 from polytrain.backends.deepspeed_rendezvous import DeepSpeedRendezvous
 from polytrain.backends.deepspeed_strategy import DeepSpeedStrategy
 from polytrain.errors import ConfigError
@@ -279,7 +279,7 @@ class DeepSpeedBackend(Backend):
             )
         if self.config.dist_backend == "nccl" and not use_gpu:
             raise ConfigError("dist_backend='nccl' needs use_gpu=True; use 'gloo' on CPU.")
-        with preserved_env():
+        with preserved_env(), mlflow_hidden():
             _validate_with_deepspeed(self.config.resolved())
 
 

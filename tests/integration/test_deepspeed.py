@@ -10,6 +10,9 @@ which only holds when weights and Adam state both cross over faithfully.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -277,3 +280,20 @@ def test_ddp_checkpoint_loads_into_a_fresh_engine(stage, tmp_path):
         assert max_param_diff(fresh.get_model(), expected) <= TOLERANCE[stage]
     finally:
         fresh.shutdown()
+
+
+def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_afterwards():
+    """DeepSpeed's autotuner imports mlflow at import time (1.8 s); polytrain's import skips it."""
+    code = (
+        "import sys\n"
+        "from polytrain.backends.deepspeed_env import import_deepspeed\n"
+        "import_deepspeed()\n"
+        "assert 'deepspeed' in sys.modules and 'mlflow' not in sys.modules, sorted(sys.modules)\n"
+        "from deepspeed.autotuning import autotuner\n"
+        "assert autotuner.has_mlflow is False\n"
+        "import mlflow\n"
+        "print('ok', mlflow.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok mlflow")
