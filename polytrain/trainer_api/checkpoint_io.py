@@ -1,7 +1,7 @@
 """Writing and reading checkpoint directories: raw tensor ranges, the commit, range reads.
 
 Each rank writes the :class:`~polytrain.backends.shard_state.Piece` ranges it
-holds into ``rank_XXXXX.bin`` and an index of them into ``rank_XXXXX.json``;
+holds into ``rank_00001.bin`` (rank 1's) and an index of them into ``rank_00001.json``;
 replicated tensors (held whole by every rank) are spread over the ranks so
 that each writes about the same number of bytes, as torch.distributed.checkpoint's
 planner does. Rank 0 also writes ``meta.pt`` and, once every rank's index is
@@ -142,7 +142,7 @@ def write_part(
             tensors (:func:`meta_bytes`: ``meta.pt``; :func:`meta_json`: ``meta.json``).
 
     Returns:
-        This rank's index (``rank_XXXXX.json``): file, bytes and entries.
+        This rank's index (``rank_00001.json`` for rank 1): file, bytes and entries.
     """
     storage = Storage(request.url)
     index: dict[str, Any] = {"rank": rank, "file": None, "bytes": 0, "entries": []}

@@ -197,7 +197,7 @@ class CheckpointDirMixin:
     def load(self, path: str | os.PathLike) -> None:
         """Load a checkpoint written under any backend or world size: a file from :meth:`save`, or a directory.
 
-        A checkpoint directory (``checkpoint_dir``'s ``checkpoint_XXXXXX``, local or an
+        A checkpoint directory (``checkpoint_dir``'s ``checkpoint_000003``, local or an
         fsspec URL) is validated on the driver first (commit marker, manifest, file
         sizes, framework), then every worker reads only the ranges it holds. A file
         is read with ``weights_only=True``.

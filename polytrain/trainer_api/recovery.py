@@ -1,20 +1,23 @@
-"""The state a restarted worker group resumes from, and where the next one is written (driver side).
+"""The state a restarted worker group resumes from (driver side).
 
 With fault tolerance on (``max_retries > 0``, the default), elastic training or a
-``checkpoint_dir``, every ``train()`` call that ends an epoch also captures the
-training state. Where it goes decides what fault tolerance costs:
+``checkpoint_dir``, every ``train()`` call that ends an epoch (and, with
+``every_n_steps``/``every_s``, a call that ends where a mid-epoch checkpoint is
+due) leaves a recovery point:
 
-* rank 0 runs on the driver's node (always on one machine): rank 0 writes the
-  consolidated state to a file there, atomically, and only the path comes back.
-  The file is ``checkpoint_dir/checkpoint_epoch_XXXXXX.pt`` with a
-  ``checkpoint_dir``, else ``recovery_XXXXXX.pt`` in a temporary directory of the
-  trainer's own, deleted at shutdown. The driver never holds the tensors.
-* rank 0 runs elsewhere (a multi-node cluster): the state comes back through the
-  driver (Ray's object store) and stays in its memory, as before; with a
-  ``checkpoint_dir`` the driver writes the file.
+* normally a checkpoint directory the workers wrote themselves (e.g.
+  ``checkpoint_000003/`` after 3 epochs, ``checkpoint_000003.00000040/`` 40
+  batches into the 4th); the driver keeps only its path
+  (:mod:`polytrain.trainer_api.checkpoint_trainer`);
+* when some worker cannot see that directory (a multi-node run without a shared
+  ``checkpoint_dir``), a consolidated state instead: rank 0 writes it to a file
+  when it runs on the driver's node (``checkpoint_epoch_000003.pt`` in
+  ``checkpoint_dir``, else ``recovery_000003.pt`` in a temporary directory of the
+  trainer's own, deleted at shutdown), otherwise it comes back through the driver
+  (Ray's object store) and stays in its memory.
 
-A restart loads the latest point: a file every new worker sees is read by the
-workers themselves; otherwise the driver reads it and shares it with them.
+A restart loads the latest point: a directory or file every new worker sees is
+read by the workers themselves; otherwise the driver reads it and shares it.
 """
 
 from __future__ import annotations
