@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 from polytrain.backends.context import WorkerContext
 from polytrain.backends.rendezvous import Rendezvous
 from polytrain.launchers.ranks import torch_distributed_env
-from polytrain.launchers.worker import find_free_port
 
 if TYPE_CHECKING:
     from polytrain.launchers.base import WorkerGroup
@@ -23,10 +22,33 @@ if TYPE_CHECKING:
 # destroyed on shutdown (in local mode the driver may hold a process group of its own).
 _created_here = False
 
+# Rank 0's TCPStore server, kept alive as long as the process group that uses it.
+_store_server = None
+
+
+def _start_store(host: str, timeout_s: float) -> int:
+    """Rank 0: start the rendezvous store on a port the OS picks; return that port.
+
+    Binding port 0 in the process that keeps the socket open leaves no window in which
+    another process can take the port between "find a free port" and "listen on it".
+    """
+    from torch.distributed import TCPStore
+
+    global _store_server
+    _store_server = None  # a previous group's server (its group is gone by now)
+    _store_server = TCPStore(
+        host,
+        0,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    return int(_store_server.port)
+
 
 def _init_process_group(
     backend: str,
-    init_method: str,
+    store_address: tuple[str, int],
     rank: int,
     world_size: int,
     timeout_s: float,
@@ -45,23 +67,26 @@ def _init_process_group(
         apply_socket_ifname_env(node_ip, use_gpu=backend == "nccl")
     if dist.is_initialized():
         dist.destroy_process_group()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0 and _store_server is not None:
+        store = _store_server
+    else:
+        host, port = store_address
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     _created_here = True
     dist.init_process_group(
-        backend=backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
     )
 
 
 def _destroy_process_group() -> None:
     import torch.distributed as dist
 
-    global _created_here
+    global _created_here, _store_server
     if _created_here and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _created_here = False
+    _store_server = None
 
 
 def default_dist_backend(use_gpu: bool) -> str:
@@ -74,22 +99,22 @@ def start_process_group(
 ) -> None:
     """Driver: initialise one ``torch.distributed`` process group across the workers.
 
-    Rank 0's host and a free port on it are the rendezvous; every worker also gets
-    the torchrun environment (MASTER_ADDR, RANK, LOCAL_RANK, ...), which libraries
-    such as DeepSpeed read. Local mode (one in-process worker) starts none.
+    Rank 0 starts the rendezvous store on a port its OS picks (no free-port race),
+    the others connect to it; every worker also gets the torchrun environment
+    (MASTER_ADDR, RANK, LOCAL_RANK, ...) with that address, which libraries such as
+    DeepSpeed read. Local mode (one in-process worker) starts none.
     """
     if ctx.local_mode:
         return
     dist_backend = dist_backend or default_dist_backend(ctx.use_gpu)
     master_addr = group.metadata[0].node_ip
-    master_port = group.execute_single(0, find_free_port)
-    init_method = f"tcp://{master_addr}:{master_port}"
+    master_port = group.execute_single(0, _start_store, master_addr, ctx.timeout_s)
     refs = [
         group.execute_single_async(
             rank,
             _init_process_group,
             dist_backend,
-            init_method,
+            (master_addr, master_port),
             info.world_rank,
             info.world_size,
             ctx.timeout_s,

@@ -223,6 +223,38 @@ def test_reused_worker_has_no_process_group(ray_start_4_cpus):
     second.shutdown()
 
 
+def _store_view() -> tuple[int | None, str | None, float]:
+    import torch.distributed as dist
+
+    from polytrain.backends import torch_distributed
+
+    server = torch_distributed._store_server
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return (server.port if server is not None else None, os.environ["MASTER_PORT"], total.item())
+
+
+def _store_server_alive() -> bool:
+    from polytrain.backends import torch_distributed
+
+    return torch_distributed._store_server is not None
+
+
+def test_rendezvous_store_is_bound_by_rank_0_and_let_go_with_its_group(ray_start_4_cpus):
+    """Rank 0 listens on a port its OS chose (no free-port race) and advertises it."""
+    from polytrain.backends.torch_distributed import stop_process_group
+
+    group = _group()
+    for _ in range(2):  # a second group on the same (warm) workers gets a store of its own
+        start_process_group(group, WorkerContext(world_size=2, timeout_s=30.0), "gloo")
+        (port, env0, total0), (none, env1, total1) = group.execute(_store_view)
+        assert port is not None and none is None
+        assert env0 == env1 == str(port) and total0 == total1 == 2.0
+        stop_process_group(group)
+        assert group.execute(_store_server_alive) == [False, False]
+    group.shutdown()
+
+
 def test_reused_worker_imports_the_current_user_code(ray_start_4_cpus, tmp_path):
     module = tmp_path / "p7_user_module.py"
     module.write_text("VALUE = 1\n")
