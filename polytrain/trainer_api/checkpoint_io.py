@@ -130,6 +130,7 @@ def write_part(
     world_size: int,
     pieces: list[Piece],
     meta: tuple[str, bytes] | None,
+    rng: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write this rank's part of a checkpoint directory; rank 0 then commits it.
 
@@ -140,12 +141,16 @@ def write_part(
         pieces: the (snapshotted) pieces this rank writes, from :func:`plan_pieces`.
         meta: rank 0: ``(file name, content)`` of the consolidated envelope without
             tensors (:func:`meta_bytes`: ``meta.pt``; :func:`meta_json`: ``meta.json``).
+        rng: this rank's random generator states (:mod:`polytrain.trainer_api.rng_state`),
+            kept in its index.
 
     Returns:
         This rank's index (``rank_00001.json`` for rank 1): file, bytes and entries.
     """
     storage = Storage(request.url)
     index: dict[str, Any] = {"rank": rank, "file": None, "bytes": 0, "entries": []}
+    if rng is not None:
+        index["rng"] = rng
     if pieces:
         index["file"] = rank_file(rank, "bin")
         with storage.open_write(index["file"]) as handle:

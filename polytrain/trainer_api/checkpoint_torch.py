@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from typing import Any
 
 from polytrain.backends.shard_state import load_local_state, local_state
 from polytrain.trainer_api import checkpoint as ckpt
+from polytrain.trainer_api import rng_state
 from polytrain.trainer_api.checkpoint_io import DirReader, SaveRequest, meta_bytes
-from polytrain.trainer_api.checkpoint_layout import open_checkpoint
+from polytrain.trainer_api.checkpoint_layout import open_checkpoint, rank_file
 from polytrain.trainer_api.checkpoint_worker import save_local_state, writer
 
 
@@ -81,7 +83,8 @@ def save_operator(operator: Any, request: SaveRequest) -> dict[str, Any]:
                 **request.extra,
             }
         )
-    return save_local_state(request, ctx.world_rank, ctx.world_size, local, meta)
+    rng = rng_state.capture()  # now, on the training thread: the state the next batch sees
+    return save_local_state(request, ctx.world_rank, ctx.world_size, local, meta, rng)
 
 
 def load_operator(operator: Any, url: str) -> dict[str, Any]:
@@ -98,11 +101,20 @@ def load_operator(operator: Any, url: str) -> dict[str, Any]:
     with DirReader(checkpoint) as reader, operator.strategy.worker_scope(operator.context):
         load_local_state(operator.strategy, operator.components, reader, operator.context)
     load_trainer_state(operator, checkpoint.meta)
+    operator._pending_rng_state = _saved_rng_state(checkpoint, operator.context)
     return {
         "epoch": int(checkpoint.meta["epoch"]),
         "epoch_step": int(checkpoint.meta.get("epoch_step", 0)),
         "global_step": operator.global_step,
     }
+
+
+def _saved_rng_state(checkpoint: Any, ctx: Any) -> dict[str, Any] | None:
+    """This rank's random states in ``checkpoint``: only when it was written at this world size."""
+    if checkpoint.manifest.get("world_size") != ctx.world_size:
+        return None
+    index = json.loads(checkpoint.storage.read_bytes(rank_file(ctx.world_rank, "json")))
+    return index.get("rng")
 
 
 def load_dir(url: str) -> dict[str, Any]:

@@ -80,7 +80,12 @@ def sees(directory: str, name: str) -> bool:
 
 
 def save_local_state(
-    request: SaveRequest, rank: int, world_size: int, local: LocalState, meta: bytes | None
+    request: SaveRequest,
+    rank: int,
+    world_size: int,
+    local: LocalState,
+    meta: bytes | None,
+    rng: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Worker: write this rank's share of ``local`` to ``request.url`` (in the background if asked).
 
@@ -90,6 +95,7 @@ def save_local_state(
         world_size: the number of ranks.
         local: this rank's pieces (and, on rank 0, the skeleton already inside ``meta``).
         meta: rank 0: the serialised ``meta.pt``; None on the other ranks.
+        rng: this rank's random generator states, taken now (written with its index).
 
     Returns:
         Small metadata for the driver: ``path``, ``rank``, ``bytes``, ``pending`` (the
@@ -115,8 +121,10 @@ def save_local_state(
     if request.asynchronous:
         frozen = snapshot(mine, copy=True, staging=writer().staging)
         result["snapshot_s"] = time.perf_counter() - begin
-        writer().start(request.url, lambda: write_part(request, rank, world_size, frozen, meta))
+        writer().start(
+            request.url, lambda: write_part(request, rank, world_size, frozen, meta, rng)
+        )
         return result
-    write_part(request, rank, world_size, snapshot(mine, copy=False), meta)
+    write_part(request, rank, world_size, snapshot(mine, copy=False), meta, rng)
     result["write_s"] = time.perf_counter() - begin
     return result

@@ -20,7 +20,7 @@ from polytrain.backends.strategy import TorchStrategy
 from polytrain.errors import CreatorError
 from polytrain.launchers.worker import WORKER_STATE
 from polytrain.trainer_api import checkpoint as ckpt
-from polytrain.trainer_api import checkpoint_torch
+from polytrain.trainer_api import checkpoint_torch, rng_state
 from polytrain.trainer_api.checkpoint_io import SaveRequest
 from polytrain.trainer_api.creators import TorchCreators
 from polytrain.trainer_api.cursor import DataCursor
@@ -204,6 +204,22 @@ class TrainCall:
     capture_mid: SaveRequest | None = None
 
 
+def _seek(operator: TrainingOperator, cursor: DataCursor, call: TrainCall) -> None:
+    """Move the cursor to the call's position; restore a loaded checkpoint's random states.
+
+    They are restored where the saving run stood: at an epoch start the new iterator
+    draws from them (as it did then); mid-epoch the saving run's iterator existed
+    already, so they apply after the re-created one has skipped ahead.
+    """
+    saved_rng = getattr(operator, "_pending_rng_state", None)
+    operator._pending_rng_state = None
+    if saved_rng is not None and call.position == 0:
+        rng_state.restore(saved_rng)
+    cursor.seek(call.epoch, call.position)
+    if saved_rng is not None and call.position > 0:
+        rng_state.restore(saved_rng)
+
+
 def train_epoch(call: TrainCall) -> dict[str, Any]:
     """Train ``call.num_steps`` batches (or the rest of the epoch) on this worker.
 
@@ -218,7 +234,7 @@ def train_epoch(call: TrainCall) -> dict[str, Any]:
     cursor: DataCursor = WORKER_STATE[_CURSOR]
     if cursor.loader is not operator.train_loader:  # the user replaced the loader
         cursor = WORKER_STATE[_CURSOR] = DataCursor(operator.train_loader)
-    cursor.seek(call.epoch, call.position)
+    _seek(operator, cursor, call)
     if cursor.position > 0 and cursor.finish_call():
         cursor.seek(call.epoch + 1, 0)  # a position at an epoch's very end: the next one starts
     epoch, first = cursor.epoch, cursor.position
