@@ -1,10 +1,13 @@
-"""Plain PyTorch FullyShardedDataParallel (FULL_SHARD) under ``torchrun --nproc_per_node=2``.
+"""Plain PyTorch FSDP (FULL_SHARD) under ``torchrun --nproc_per_node=2``.
 
-Wrapped as polytrain's fsdp backend wraps by default: size-based auto-wrap
-(100k parameters), ``use_orig_params=True``, CPU device, rank 0's weights
-broadcast before wrapping.
+Sharded as polytrain's fsdp backend shards by default: FSDP2 (``fully_shard`` on
+every sub-module of at least 100k parameters, then on the root,
+``reshard_after_forward=True``), rank 0's weights broadcast before sharding.
+``--version 1``: FSDP1 (``FullyShardedDataParallel`` with size-based auto-wrap at
+100k parameters, ``use_orig_params=True``, CPU device), as ``backend_config={"version": 1}``.
 
 Usage: torchrun --nproc_per_node=2 benchmarks/native/fsdp_native.py --spec JSON --result-dir DIR
+       [--version 1]
 """
 
 from __future__ import annotations
@@ -23,12 +26,43 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy  # noqa: E40
 
 from benchmarks import workload  # noqa: E402
 
+MIN_NUM_PARAMS = 100_000
+
+
+def shard_fsdp2(module: torch.nn.Module) -> torch.nn.Module:
+    """``fully_shard`` on each sub-module of at least MIN_NUM_PARAMS (deepest first), then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    units = [
+        m
+        for m in module.modules()
+        if m is not module and sum(p.numel() for p in m.parameters()) >= MIN_NUM_PARAMS
+    ]
+    for unit in reversed(units):
+        fully_shard(unit, reshard_after_forward=True)
+    return fully_shard(module, reshard_after_forward=True)
+
+
+def shard_fsdp1(module: torch.nn.Module) -> torch.nn.Module:
+    """FSDP1: ``FullyShardedDataParallel`` with size-based auto-wrap."""
+    return FullyShardedDataParallel(
+        module,
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        auto_wrap_policy=functools.partial(
+            size_based_auto_wrap_policy, min_num_params=MIN_NUM_PARAMS
+        ),
+        device_id=torch.device("cpu"),
+        limit_all_gathers=True,
+        use_orig_params=True,
+    )
+
 
 def main() -> None:
     """Train the workload with FSDP and record the timings."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True)
     parser.add_argument("--result-dir", required=True)
+    parser.add_argument("--version", type=int, choices=(1, 2), default=2)
     args = parser.parse_args()
     rec = workload.RECORDER
     rec.marks["script_start"] = _START
@@ -41,14 +75,7 @@ def main() -> None:
     module = workload.build_model(spec)
     for tensor in list(module.parameters()) + list(module.buffers()):
         dist.broadcast(tensor.data, src=0)  # FSDP's sync_module_states needs an accelerator
-    model = FullyShardedDataParallel(
-        module,
-        sharding_strategy=ShardingStrategy.FULL_SHARD,
-        auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=100_000),
-        device_id=torch.device("cpu"),
-        limit_all_gathers=True,
-        use_orig_params=True,
-    )
+    model = shard_fsdp2(module) if args.version == 2 else shard_fsdp1(module)
     optimizer = workload.make_optimizer(model, spec)
     criterion = torch.nn.CrossEntropyLoss()
     loader = workload.make_loader(spec, rank, world)

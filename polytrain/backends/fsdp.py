@@ -1,23 +1,23 @@
-"""PyTorch FullyShardedDataParallel: parameters, gradients and optimizer state sharded.
+"""PyTorch FSDP: parameters, gradients and optimizer state sharded.
 
-This backend uses torch's ``FullyShardedDataParallel`` class (FSDP1) with
-``use_orig_params=True``, not the per-module ``fully_shard`` API (FSDP2). Both
-train on CPU with gloo; FSDP1 is the one that offers every option this backend
-exposes as such: the sharding strategies FULL_SHARD / SHARD_GRAD_OP / NO_SHARD,
-a size-based auto-wrap policy and ``MixedPrecision``. ``use_orig_params=True``
-keeps the user's parameter objects (each becomes a view of its local shard), so
-an optimizer with several param groups and per-group options shards as it is.
-On CPU, FSDP1 needs ``device_id=torch.device("cpu")`` (without it, it looks for
-an accelerator); on GPU the worker's CUDA device.
+``backend_config={"version": ...}`` picks torch's FSDP API: ``2`` (default) is
+``fully_shard`` (FSDP2: every parameter a ``DTensor`` sharded on dim 0, mixed
+precision by ``MixedPrecisionPolicy``; see :mod:`polytrain.backends.fsdp2`), ``1``
+the legacy ``FullyShardedDataParallel`` class (FSDP1) with ``use_orig_params=True``,
+which keeps the user's parameter objects as views of the local shard and needs
+``device_id=torch.device("cpu")`` on CPU. Both train on CPU with gloo and on GPU
+with nccl, and take the same :class:`FSDPConfig` (NO_SHARD and FSDP1's flags:
+version 1 only). Optimizers are rebuilt over the sharded parameters with every
+param group and per-group option.
 
-Checkpoints go through ``torch.distributed.checkpoint.state_dict`` (the
-supported replacement of ``FSDP.state_dict_type``): the full model state and the
-full optimizer state are gathered, and the optimizer state is re-keyed from
-parameter names to parameter indices, torch's own ``optimizer.state_dict()``
-format, so it loads into a plain torch optimizer of the same class.
+Full checkpoints go through ``torch.distributed.checkpoint.state_dict``; the
+optimizer state is re-keyed from parameter names to indices (torch's own
+``optimizer.state_dict()`` format), so a plain torch optimizer loads it. Sharded
+directories are written and read range by range, with no gather
+(:mod:`polytrain.backends.fsdp_state`).
 
-The driver side is :class:`~polytrain.backends.torch_distributed.TorchDistributedRendezvous`
-(one gloo or nccl process group); the worker side is :class:`FSDPStrategy`.
+The driver side is :class:`~polytrain.backends.torch_distributed.TorchDistributedRendezvous`;
+the worker side :class:`FSDPStrategy` (version 1) or ``FSDP2Strategy`` (version 2).
 """
 
 from __future__ import annotations
@@ -39,18 +39,17 @@ from polytrain.backends.shard_state import (
     load_whole,
     replicated_local_state,
 )
-from polytrain.backends.strategy import TorchStrategy
+from polytrain.backends.strategy import Strategy, TorchStrategy
 from polytrain.backends.torch_distributed import TorchDistributedRendezvous
-from polytrain.errors import CheckpointError, ConfigError, ConfigTypeError
+from polytrain.errors import ConfigError, ConfigTypeError
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 AUTO_WRAP_POLICIES = ("size_based", "none")
+FSDP_VERSIONS = (1, 2)
 
 # components.extra keys: per optimizer, the index of its model and its params' names.
 _OWNERS = "fsdp.optimizer_owners"
 _NAMES = "fsdp.optimizer_param_names"
-# The attribute FSDP inserts into the names of the modules it wraps.
-_FSDP_PREFIX = "_fsdp_wrapped_module."
 
 
 @dataclass
@@ -58,18 +57,24 @@ class FSDPConfig(BackendConfig):
     """Options of the ``fsdp`` backend.
 
     Attributes:
+        version: 2 (default: ``fully_shard``, FSDP2) or 1 (``FullyShardedDataParallel``,
+            FSDP1, legacy).
         sharding_strategy: "FULL_SHARD" (parameters, gradients and optimizer state
             sharded; ZeRO-3, default), "SHARD_GRAD_OP" (parameters gathered from forward
-            to backward; ZeRO-2) or "NO_SHARD" (replicated, like DDP; deprecated by torch).
+            to backward; ZeRO-2) or "NO_SHARD" (replicated, like DDP; version 1 only).
+            Version 2 maps them to ``reshard_after_forward`` True and False.
         auto_wrap_policy: "size_based" (default: every submodule tree with at least
             ``min_num_params`` parameters becomes its own FSDP unit, so only one unit's
             parameters are gathered at a time) or "none" (one unit: the whole model).
         min_num_params: the size threshold of the "size_based" policy.
         sync_module_states: broadcast rank 0's parameters and buffers when wrapping.
-        forward_prefetch: FSDP's flag: gather the next unit's parameters during forward.
-        limit_all_gathers: FSDP's flag: bound the memory of in-flight all-gathers.
+        forward_prefetch: FSDP1's flag: gather the next unit's parameters during forward
+            (True: version 1 only; FSDP2 overlaps its all-gathers by itself).
+        limit_all_gathers: FSDP1's flag: bound the memory of in-flight all-gathers
+            (False: version 1 only; FSDP2 always bounds it).
     """
 
+    version: int = 2
     sharding_strategy: str = "FULL_SHARD"
     auto_wrap_policy: str = "size_based"
     min_num_params: int = 100_000
@@ -96,10 +101,31 @@ class FSDPConfig(BackendConfig):
             )
         if self.min_num_params < 1:
             raise ConfigError(f"min_num_params must be a positive int; got {self.min_num_params}.")
+        self._check_version()
+
+    def _check_version(self) -> None:
+        if type(self.version) is not int or self.version not in FSDP_VERSIONS:
+            raise ConfigError(
+                f"The provided version ({self.version!r}) is not supported. Must be 2 "
+                f"(fully_shard, FSDP2; the default) or 1 (FullyShardedDataParallel, FSDP1)."
+            )
+        if self.version == 1:
+            return
+        v1_only = {
+            "sharding_strategy": ("NO_SHARD", self.sharding_strategy == "NO_SHARD"),
+            "forward_prefetch": (True, self.forward_prefetch),
+            "limit_all_gathers": (False, not self.limit_all_gathers),
+        }
+        for name, (value, given) in v1_only.items():
+            if given:
+                raise ConfigError(
+                    f"{name}={value!r} is an FSDP1 option: version 2 (fully_shard) has no such "
+                    f"setting. Add 'version': 1 to backend_config to use it, or drop it."
+                )
 
 
 class FSDPStrategy(TorchStrategy):
-    """Worker side of ``fsdp``: trainable models wrapped in FSDP, optimizers over their shards.
+    """Worker side of ``fsdp`` version 1: models wrapped in FSDP1, optimizers over their shards.
 
     In local mode (no process group) nothing is wrapped and the plain torch
     behaviour of :class:`~polytrain.backends.strategy.TorchStrategy` applies.
@@ -162,7 +188,7 @@ class FSDPStrategy(TorchStrategy):
         sync = self.config.sync_module_states
         if sync and ctx.device.type == "cpu":
             # FSDP's own sync_module_states insists on an accelerator: broadcast here.
-            _broadcast_from_rank0(model)
+            broadcast_from_rank0(model)
             sync = False
         policy = None
         if self.config.auto_wrap_policy == "size_based":
@@ -224,12 +250,12 @@ class FSDPStrategy(TorchStrategy):
 
         options = self._state_dict_options(ctx, saving=True)
         models = [
-            get_model_state_dict(m, options=options) if _is_fsdp(m) else m.state_dict()
+            get_model_state_dict(m, options=options) if self._sharded(m) else m.state_dict()
             for m in components.models
         ]
         optimizers = []
         for optimizer, model, names in self._owned(components):
-            if model is None or not _is_fsdp(model):
+            if model is None or not self._sharded(model):
                 optimizers.append(optimizer.state_dict())
                 continue
             fresh = not optimizer.state
@@ -239,7 +265,9 @@ class FSDPStrategy(TorchStrategy):
                 # first real step would count as its second.
                 optimizer.state.clear()
                 by_name["state"] = {}
-            optimizers.append(_index_keyed(by_name, names) if ctx.world_rank == 0 else None)
+            optimizers.append(
+                fsdp_state.index_keyed(by_name, names) if ctx.world_rank == 0 else None
+            )
         if ctx.world_rank != 0:
             return None
         return {"models": models, "optimizers": optimizers}
@@ -258,7 +286,7 @@ class FSDPStrategy(TorchStrategy):
 
         options = self._state_dict_options(ctx, saving=False)
         for model, model_state in zip(components.models, state["models"], strict=True):
-            if _is_fsdp(model):
+            if self._sharded(model):
                 set_model_state_dict(model, model_state, options=options)
             else:
                 model.load_state_dict(model_state)
@@ -270,10 +298,10 @@ class FSDPStrategy(TorchStrategy):
         ):
             if optimizer_state is None:
                 continue
-            if model is None or not _is_fsdp(model):
+            if model is None or not self._sharded(model):
                 optimizer.load_state_dict(optimizer_state)
                 continue
-            by_name = _name_keyed(optimizer_state, names)
+            by_name = fsdp_state.name_keyed(optimizer_state, names)
             set_optimizer_state_dict(model, optimizer, by_name, options=options)
             # Loading initialises an empty state with a zero-lr step first: drop what the
             # checkpoint has no state for (e.g. an optimizer saved before its first step).
@@ -289,7 +317,9 @@ class FSDPStrategy(TorchStrategy):
         """
         if not _sharding.shards(ctx):
             return replicated_local_state(self, components, ctx)
-        return fsdp_state.fsdp_local_state(self._owned(components), components, ctx)
+        return fsdp_state.fsdp_local_state(
+            self._owned(components), components, ctx, ranges_of=self._ranges
+        )
 
     def load_sharded_state_dict(
         self, components: Components, reader: ShardReader, ctx: WorkerContext
@@ -298,12 +328,23 @@ class FSDPStrategy(TorchStrategy):
         if not _sharding.shards(ctx):
             load_whole(self, components, reader, ctx)
             return
-        fsdp_state.fsdp_load(self._owned(components), components, reader)
+        fsdp_state.fsdp_load(self._owned(components), components, reader, ranges_of=self._ranges)
 
-    @staticmethod
-    def _state_dict_options(ctx: WorkerContext, saving: bool) -> Any:
+    # ------------------------------------------ what differs between the versions
+    def _sharded(self, model: torch.nn.Module) -> bool:
+        """Whether :meth:`prepare` sharded ``model``."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return isinstance(model, FullyShardedDataParallel)
+
+    def _ranges(self, model: torch.nn.Module) -> dict[int, fsdp_state.ParamRange] | None:
+        """This rank's range of every parameter of a sharded ``model`` (None: not sharded)."""
+        return fsdp_state.fsdp1_ranges(model)
+
+    def _state_dict_options(self, ctx: WorkerContext, saving: bool) -> Any:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+        # On CPU, FSDP1's offload path crashes on tensors that already are on the CPU.
         return StateDictOptions(
             full_state_dict=True, cpu_offload=saving and ctx.device.type == "cuda"
         )
@@ -321,7 +362,7 @@ class FSDPStrategy(TorchStrategy):
 
 
 class FSDPBackend(Backend):
-    """PyTorch FullyShardedDataParallel (gloo on CPU, nccl on GPU)."""
+    """PyTorch FSDP: ``fully_shard`` (FSDP2, default) or ``FullyShardedDataParallel`` (gloo / nccl)."""
 
     name = "fsdp"
     framework = "torch"
@@ -330,8 +371,17 @@ class FSDPBackend(Backend):
     strategy_cls = FSDPStrategy
     config: FSDPConfig
 
+    def make_strategy(self) -> Strategy:
+        """Worker: :class:`~polytrain.backends.fsdp2.FSDP2Strategy` (version 2) or FSDP1's."""
+        if self.config.version == 1:
+            return FSDPStrategy(self.config)
+        from polytrain.backends.fsdp2 import FSDP2Strategy
 
-def _broadcast_from_rank0(model: torch.nn.Module) -> None:
+        return FSDP2Strategy(self.config)
+
+
+def broadcast_from_rank0(model: torch.nn.Module) -> None:
+    """Worker (every rank, collective): rank 0's parameters and buffers everywhere."""
     import torch.distributed as dist
 
     with torch.no_grad():
@@ -339,49 +389,11 @@ def _broadcast_from_rank0(model: torch.nn.Module) -> None:
             dist.broadcast(tensor.data, src=0)
 
 
-def _is_fsdp(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return isinstance(model, FullyShardedDataParallel)
-
-
 def _param_map(names: dict[int, str], fsdp_model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
     """``id(original param) -> the wrapped model's param`` by name.
 
-    With ``use_orig_params=True`` FSDP keeps the parameter objects, so this is the
-    identity; matching by name keeps the rebuild right should a wrapper replace them.
+    FSDP1 with ``use_orig_params=True`` keeps the parameter objects (the identity);
+    FSDP2 replaces each with a DTensor parameter of the same name.
     """
-    by_name = {n.replace(_FSDP_PREFIX, ""): p for n, p in fsdp_model.named_parameters()}
+    by_name = {fsdp_state.clean_name(n): p for n, p in fsdp_model.named_parameters()}
     return {pid: by_name[name] for pid, name in names.items() if name in by_name}
-
-
-def _index_keyed(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """A name-keyed optimizer state (torch.distributed.checkpoint) in torch's index-keyed format."""
-    index = {name: i for i, name in enumerate(names)}
-    groups = []
-    for group in state["param_groups"]:
-        groups.append({**group, "params": [index[name] for name in group["params"]]})
-    by_index = {index[name]: value for name, value in state["state"].items()}
-    return {"state": dict(sorted(by_index.items())), "param_groups": groups}
-
-
-def _name_keyed(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """A torch index-keyed optimizer state keyed by parameter names, as FSDP loads it.
-
-    Raises:
-        CheckpointError: the state does not have one entry per parameter of the optimizer.
-    """
-    indices = [i for group in state["param_groups"] for i in group["params"]]
-    if len(indices) != len(names):
-        raise CheckpointError(
-            f"The checkpoint's optimizer state covers {len(indices)} parameters; this "
-            f"optimizer has {len(names)}. Load a checkpoint of the same model and optimizer."
-        )
-    name_of = dict(zip(indices, names, strict=True))
-    return {
-        "state": {name_of[i]: value for i, value in state["state"].items()},
-        "param_groups": [
-            {**group, "params": [name_of[i] for i in group["params"]]}
-            for group in state["param_groups"]
-        ],
-    }

@@ -1,16 +1,31 @@
 """Sharded checkpoints of the ``fsdp`` backend: each rank saves and loads only its own shards (worker side).
 
-With ``use_orig_params=True`` FSDP1 keeps every original parameter as a 1-D
-view of this rank's part of the flattened parameter (``_ShardParamInfo``:
-elements ``[intra_param_start_idx, intra_param_end_idx]`` of the flattened
-original) and the optimizer state beside it in the same shape. Those ranges are
-exactly the :class:`~polytrain.backends.shard_state.Piece` ranges of a sharded
-checkpoint: nothing is gathered to save, and loading reads only the ranges a
-rank holds, whatever backend and world size wrote them.
+Both versions of torch's FSDP leave each rank a contiguous range of every
+flattened original parameter, with the optimizer state beside it in the same
+shape:
+
+- FSDP1 with ``use_orig_params=True`` keeps every original parameter as a 1-D
+  view of this rank's part of the flattened parameter (``_ShardParamInfo``:
+  elements ``[intra_param_start_idx, intra_param_end_idx]`` of the flattened
+  original), see :func:`param_ranges`;
+- FSDP2 (``fully_shard``) makes every parameter a ``DTensor`` sharded on dim 0,
+  so a rank holds whole rows: a contiguous range too, see
+  :func:`polytrain.backends.fsdp2_state.dtensor_ranges`.
+
+Those ranges are exactly the :class:`~polytrain.backends.shard_state.Piece`
+ranges of a sharded checkpoint: nothing is gathered to save, and loading reads
+only the ranges a rank holds, whatever backend and world size wrote them. The
+functions here take the version's ``ranges_of(model)`` (None for a model that is
+not sharded) and work for both.
+
+The consolidated form keys optimizer state by parameter index (torch's own
+``optimizer.state_dict()`` format); :func:`index_keyed` and :func:`name_keyed`
+convert from and to the name-keyed form of ``torch.distributed.checkpoint``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,13 +59,23 @@ class ParamRange:
     sharded: bool
 
 
+#: ``model -> {id(param): ParamRange}``, or None when the model is not sharded.
+RangesOf = Callable[[torch.nn.Module], "dict[int, ParamRange] | None"]
+
+
 def clean_name(name: str) -> str:
-    """A parameter or buffer name without FSDP's wrapper prefixes."""
+    """A parameter or buffer name without FSDP1's wrapper prefixes."""
     return name.replace(_FSDP_PREFIX, "")
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (a DTensor's local shard; a plain tensor as it is), detached."""
+    to_local = getattr(tensor, "to_local", None)
+    return (to_local() if callable(to_local) else tensor).detach()
+
+
 def param_ranges(model: torch.nn.Module) -> dict[int, ParamRange]:
-    """``id(param) -> ParamRange`` for every parameter FSDP manages in ``model``."""
+    """``id(param) -> ParamRange`` for every parameter FSDP1 manages in ``model``."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     ranges: dict[int, ParamRange] = {}
@@ -79,20 +104,25 @@ def param_ranges(model: torch.nn.Module) -> dict[int, ParamRange]:
     return ranges
 
 
-def _model_pieces(index: int, model: torch.nn.Module) -> list[Piece]:
-    ranges = param_ranges(model)
+def fsdp1_ranges(model: torch.nn.Module) -> dict[int, ParamRange] | None:
+    """FSDP1's :data:`RangesOf`: :func:`param_ranges` of a ``FullyShardedDataParallel`` model."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return param_ranges(model) if isinstance(model, FullyShardedDataParallel) else None
+
+
+def _model_pieces(index: int, model: torch.nn.Module, ranges: dict[int, ParamRange]) -> list[Piece]:
     pieces = []
     for name, param in model.named_parameters(remove_duplicate=False):
         rng = ranges.get(id(param))
         path = ("models", index, clean_name(name))
+        local = local_tensor(param)
         if rng is None or not rng.sharded:
-            pieces.append(
-                whole_piece(path, param.detach().reshape(rng.shape if rng else param.shape), True)
-            )
+            pieces.append(whole_piece(path, local.reshape(rng.shape if rng else local.shape), True))
         elif rng.numel:
-            pieces.append(Piece(path, rng.shape, param.detach().reshape(-1), rng.start, False))
+            pieces.append(Piece(path, rng.shape, local.reshape(-1), rng.start, False))
     for name, buffer in persistent_buffers(model, clean_name):
-        pieces.append(whole_piece(("models", index, name), buffer, True))
+        pieces.append(whole_piece(("models", index, name), local_tensor(buffer), True))
     return pieces
 
 
@@ -115,13 +145,15 @@ def _optimizer_pieces(
             if not torch.is_tensor(value):
                 continue
             path = ("optimizers", index, "state", param_index, key)
+            value = local_tensor(value)
             if value.dim() == 0:
                 if not rng.sharded or rng.start == 0:
                     pieces.append(whole_piece(path, value, not rng.sharded))
             elif value.numel() == rng.numel:
-                pieces.append(
-                    Piece(path, rng.shape, value.detach().reshape(-1), rng.start, not rng.sharded)
-                )
+                if rng.numel:  # an empty shard (FSDP2, more ranks than rows) writes nothing
+                    pieces.append(
+                        Piece(path, rng.shape, value.reshape(-1), rng.start, not rng.sharded)
+                    )
             else:
                 raise CheckpointError(
                     f"Optimizer {type(optimizer).__name__} keeps state {key!r} of shape "
@@ -133,7 +165,10 @@ def _optimizer_pieces(
 
 
 def fsdp_local_state(
-    owned: list[tuple[Any, Any, Any]], components: Components, ctx: WorkerContext
+    owned: list[tuple[Any, Any, Any]],
+    components: Components,
+    ctx: WorkerContext,
+    ranges_of: RangesOf = fsdp1_ranges,
 ) -> LocalState:
     """Worker: this rank's FSDP shards of every model and optimizer (no communication).
 
@@ -141,18 +176,19 @@ def fsdp_local_state(
         owned: ``(optimizer, its model or None, names)`` per optimizer.
         components: the prepared components.
         ctx: this worker's context.
+        ranges_of: the FSDP version's ranges (:func:`fsdp1_ranges` by default).
     """
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
     pieces: list[Piece] = []
     for index, model in enumerate(components.models):
-        if isinstance(model, FullyShardedDataParallel):
-            pieces += _model_pieces(index, model)
+        ranges = ranges_of(model)
+        if ranges is not None:
+            pieces += _model_pieces(index, model, ranges)
         else:
             pieces += model_pieces(index, model.state_dict(), replicated=True)
     for index, (optimizer, model, _) in enumerate(owned):
-        if isinstance(model, FullyShardedDataParallel):
-            pieces += _optimizer_pieces(index, optimizer, param_ranges(model))
+        ranges = ranges_of(model) if model is not None else None
+        if ranges is not None:
+            pieces += _optimizer_pieces(index, optimizer, ranges)
         else:
             pieces += optimizer_pieces(index, optimizer.state_dict(), replicated=True)
     skeleton = None
@@ -164,44 +200,71 @@ def fsdp_local_state(
     return LocalState(pieces=pieces, skeleton=skeleton)
 
 
-def fsdp_load(
-    owned: list[tuple[Any, Any, Any]], components: Components, reader: ShardReader
-) -> None:
-    """Worker: load this rank's ranges of a sharded checkpoint into FSDP models and their optimizers."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
+#: ``(torch-format optimizer state, the optimizer's params) -> the state to load``.
+StateConverter = Callable[[dict[str, Any], list[Any]], dict[str, Any]]
 
+
+def fsdp_load(
+    owned: list[tuple[Any, Any, Any]],
+    components: Components,
+    reader: ShardReader,
+    ranges_of: RangesOf = fsdp1_ranges,
+    convert: StateConverter | None = None,
+) -> None:
+    """Worker: load this rank's ranges of a sharded checkpoint into FSDP models and their optimizers.
+
+    Args:
+        owned: ``(optimizer, its model or None, names)`` per optimizer.
+        components: the prepared components.
+        reader: the checkpoint.
+        ranges_of: the FSDP version's ranges (:func:`fsdp1_ranges` by default).
+        convert: turns the ranges read for a sharded model's optimizer into what its
+            ``load_state_dict`` takes (FSDP2: DTensors laid out like the parameters).
+    """
     for index, model in enumerate(components.models):
-        if isinstance(model, FullyShardedDataParallel):
-            _load_model(index, model, reader)
+        ranges = ranges_of(model)
+        if ranges is not None:
+            _load_model(index, model, reader, ranges)
         else:
             model.load_state_dict(whole_model_state(reader, index))
     for index, (optimizer, model, _) in enumerate(owned):
-        if isinstance(model, FullyShardedDataParallel):
-            ranges = param_ranges(model)
-            params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        ranges = ranges_of(model) if model is not None else None
+        if ranges is None:
+            wanted: dict[int, tuple[int, int] | None] = {i: None for i in range(len(params))}
+        else:
             wanted = {}
             for i, param in enumerate(params):
                 rng = ranges.get(id(param))
-                if rng is not None and (rng.numel or not rng.sharded):
+                # FSDP1 keeps no state for a parameter outside this rank's shard; FSDP2 keeps
+                # (empty) state on every rank, and every rank must agree on which exist.
+                if rng is not None and (rng.numel or not rng.sharded or _is_dtensor(param)):
                     wanted[i] = (rng.start, rng.numel) if rng.sharded else None
-        else:
-            wanted = {i: None for i in range(sum(len(g["params"]) for g in optimizer.param_groups))}
         state = local_optimizer_state(reader, index, wanted)
         if state is not None:
+            if ranges is not None and convert is not None:
+                state = convert(state, params)
             optimizer.load_state_dict(state)
 
 
+def _is_dtensor(tensor: Any) -> bool:
+    return callable(getattr(tensor, "to_local", None))
+
+
 @torch.no_grad()
-def _load_model(index: int, model: torch.nn.Module, reader: ShardReader) -> None:
-    ranges = param_ranges(model)
+def _load_model(
+    index: int, model: torch.nn.Module, reader: ShardReader, ranges: dict[int, ParamRange]
+) -> None:
     for name, param in model.named_parameters(remove_duplicate=False):
         path = ("models", index, clean_name(name))
         rng = ranges.get(id(param))
         _check_shape(reader, path, rng.shape if rng else tuple(param.shape))
+        # A DTensor's local shard shares its storage: writing it writes the parameter.
+        local = param.to_local() if _is_dtensor(param) else param
         if rng is None or not rng.sharded:
-            param.copy_(reader.read(path).reshape(param.shape))
+            local.copy_(reader.read(path).reshape(local.shape))
         elif rng.numel:
-            param.copy_(reader.read(path, rng.start, rng.numel).reshape(param.shape))
+            local.copy_(reader.read(path, rng.start, rng.numel).reshape(local.shape))
     for name, buffer in persistent_buffers(model, clean_name):
         path = ("models", index, name)
         _check_shape(reader, path, tuple(buffer.shape))
@@ -220,3 +283,36 @@ def _check_shape(reader: ShardReader, path: tuple[Any, ...], shape: tuple[int, .
             f"The checkpoint's {path[2]!r} of model {path[1]} has shape {tuple(saved)}; this "
             f"model's has {tuple(shape)}. Load a checkpoint of the same model."
         )
+
+
+# ------------------------------------------------- index- and name-keyed states
+def index_keyed(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A name-keyed optimizer state (torch.distributed.checkpoint) in torch's index-keyed format."""
+    index = {name: i for i, name in enumerate(names)}
+    groups = []
+    for group in state["param_groups"]:
+        groups.append({**group, "params": [index[name] for name in group["params"]]})
+    by_index = {index[name]: value for name, value in state["state"].items()}
+    return {"state": dict(sorted(by_index.items())), "param_groups": groups}
+
+
+def name_keyed(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A torch index-keyed optimizer state keyed by parameter names, as FSDP loads it.
+
+    Raises:
+        CheckpointError: the state does not have one entry per parameter of the optimizer.
+    """
+    indices = [i for group in state["param_groups"] for i in group["params"]]
+    if len(indices) != len(names):
+        raise CheckpointError(
+            f"The checkpoint's optimizer state covers {len(indices)} parameters; this "
+            f"optimizer has {len(names)}. Load a checkpoint of the same model and optimizer."
+        )
+    name_of = dict(zip(indices, names, strict=True))
+    return {
+        "state": {name_of[i]: value for i, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [name_of[i] for i in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }

@@ -2,8 +2,9 @@
 
 A torch strategy owns one :class:`Precision`: the context a forward pass runs
 in, and how a loss is back-propagated and an optimizer stepped when gradients
-are scaled. Strategies whose wrapper casts by itself (FSDP's MixedPrecision,
-DeepSpeed's engine) pick a precision that leaves the forward alone.
+are scaled. Strategies whose wrapper casts by itself (FSDP2's
+MixedPrecisionPolicy, FSDP1's MixedPrecision, DeepSpeed's engine) pick a
+precision that leaves the forward alone.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class MixedPrecision(Precision):
     Args:
         device_type: ``"cuda"`` or ``"cpu"``.
         cast_forward: False where the wrapper casts parameters and inputs itself
-            (FSDP's MixedPrecision), so the forward runs without autocast.
+            (FSDP2's MixedPrecisionPolicy, FSDP1's MixedPrecision), so the forward runs without autocast.
         scaler: a scaler instance to use instead of ``torch.amp.GradScaler`` on GPU
             (sharded scalers check for infs across shards).
     """

@@ -303,10 +303,10 @@ for _spec in (
         "fsdp",
         "polytrain.backends.fsdp:FSDPBackend",
         "torch",
-        "PyTorch FullyShardedDataParallel (parameters, gradients and optimizer state sharded)",
+        "PyTorch FSDP: fully_shard (FSDP2, default) or FullyShardedDataParallel (version=1)",
         aliases=("torch_fsdp",),
         requires=("torch",),
-        test_cases=(TestCase("fsdp"),),
+        test_cases=(TestCase("fsdp"), TestCase("fsdp-v1", {"version": 1})),
     ),
     BackendSpec(
         "deepspeed",

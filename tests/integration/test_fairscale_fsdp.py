@@ -1,6 +1,7 @@
 """The sharding backends, fairscale (OSS / ShardedDataParallel) and PyTorch FSDP, on CPU with gloo.
 
-Each is checked against 2-worker DDP: same parameters after training with Adam
+PyTorch FSDP runs in both versions: ``fully_shard`` (FSDP2, the default) and
+``FullyShardedDataParallel`` (FSDP1, ``version=1``). Each is checked against 2-worker DDP: same parameters after training with Adam
 (the optimizer whose state gets sharded), about half of DDP's optimizer state per
 rank, and checkpoints that move both ways between them and ``ddp`` at another
 world size, optimizer state included.
@@ -32,7 +33,8 @@ needs_fairscale = pytest.mark.skipif(
 SHARDED = [
     pytest.param("fairscale", {"mode": "oss"}, id="fairscale-oss", marks=needs_fairscale),
     pytest.param("fairscale", {"mode": "sddp"}, id="fairscale-sddp", marks=needs_fairscale),
-    pytest.param("fsdp", None, id="fsdp"),
+    pytest.param("fsdp", None, id="fsdp2"),
+    pytest.param("fsdp", {"version": 1}, id="fsdp1"),
 ]
 
 
@@ -94,7 +96,11 @@ def optimizer_state_bytes(operator) -> int:
     for optimizer in filter(None, optimizers):
         for state in optimizer.state.values():
             for tensor in state.values():
-                if not torch.is_tensor(tensor) or tensor.numel() == 0:
+                if not torch.is_tensor(tensor):
+                    continue
+                # FSDP2's state is DTensors: count this rank's local shard, not the global size
+                tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                if tensor.numel() == 0:
                     continue
                 key = (tensor.data_ptr(), tensor.numel())
                 if key not in seen:
@@ -104,9 +110,11 @@ def optimizer_state_bytes(operator) -> int:
 
 
 def count_fsdp_units(operator) -> int:
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    """FSDP1's wrapper modules, or the modules FSDP2's ``fully_shard`` was applied to."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    return sum(isinstance(m, FullyShardedDataParallel) for m in operator.model.modules())
+    units = (FSDPModule, FullyShardedDataParallel)
+    return sum(isinstance(m, units) for m in operator.model.modules())
 
 
 def forward_dtype(operator) -> str:
@@ -175,7 +183,7 @@ def test_optimizer_state_is_sharded(backend, backend_config):
 
     if backend == "fsdp":
         # one FSDP unit per Linear layer, so only one layer is gathered at a time
-        backend_config = {"min_num_params": 50_000}
+        backend_config = {**(backend_config or {}), "min_num_params": 50_000}
     sharded, units = per_rank_bytes(backend, backend_config)
     replicated, _ = per_rank_bytes("ddp", None)
     full = replicated[0]
@@ -269,10 +277,7 @@ class AccumulateTwo(TrainingOperator):
         return {"loss": (loss + loss2).item(), "num_samples": target.shape[0]}
 
 
-@pytest.mark.parametrize(
-    ("backend", "backend_config"),
-    [SHARDED[1], SHARDED[2]],
-)
+@pytest.mark.parametrize(("backend", "backend_config"), SHARDED[1:])
 def test_no_sync_gradient_accumulation_matches_ddp(backend, backend_config):
     def run(name, cfg):
         trainer = make_trainer(name, cfg, training_operator_cls=AccumulateTwo)
@@ -287,7 +292,7 @@ def test_no_sync_gradient_accumulation_matches_ddp(backend, backend_config):
 
 @pytest.mark.parametrize(("backend", "backend_config"), SHARDED)
 def test_mixed_precision_trains_on_cpu(backend, backend_config):
-    """use_fp16 on CPU: bf16 autocast (fairscale) or FSDP's bf16 MixedPrecision."""
+    """use_fp16 on CPU: bf16 autocast (fairscale), FSDP2's MixedPrecisionPolicy, FSDP1's MixedPrecision."""
     trainer = TorchTrainer(
         **DIGITS,
         config={"lr": 0.1, "batch_size": 64},
@@ -300,10 +305,16 @@ def test_mixed_precision_trains_on_cpu(backend, backend_config):
         first = trainer.train()
         last = trainer.train()
         dtypes = trainer.apply_all_operators(forward_dtype)
+        held = trainer.apply_all_operators(
+            lambda op: [sharding_facts(op)[key] for key in ("kinds", "dtypes")]
+        )
     finally:
         trainer.shutdown()
     assert last["loss"] < first["loss"]
     assert dtypes == ["torch.bfloat16"] * 2
+    # bf16 compute (and, under FSDP, bf16 reduction); the parameters themselves stay fp32
+    kind = "DTensor" if backend == "fsdp" and not backend_config else "Parameter"
+    assert held == [[[kind], ["torch.float32"]]] * 2
 
 
 @needs_fairscale
@@ -332,17 +343,53 @@ def test_fsdp_unknown_options_are_rejected(no_leftover_actors):
         )
 
 
+def test_fsdp_version_is_validated(no_leftover_actors):
+    """Only 1 and 2; FSDP1-only options under version 2 say how to get them."""
+    with pytest.raises(ValueError, match=r"version \(3\) is not supported.*2 .*or 1 "):
+        TorchTrainer(**DIGITS, num_workers=2, backend="fsdp", backend_config={"version": 3})
+    with pytest.raises(ValueError, match=r"sharding_strategy='NO_SHARD'.*'version': 1"):
+        TorchTrainer(
+            **DIGITS,
+            num_workers=2,
+            backend="fsdp",
+            backend_config={"sharding_strategy": "no_shard"},
+        )
+
+
+def sharding_facts(operator) -> dict:
+    """How the model's parameters are held, and whether the optimizer holds those same objects."""
+    params = list(operator.model.parameters())
+    held = [p for group in operator.optimizer.param_groups for p in group["params"]]
+    return {
+        "kinds": sorted({type(p).__name__ for p in params}),
+        "dtypes": sorted({str(p.dtype) for p in params}),
+        "optimizer_holds_them": [id(p) for p in params] == [id(p) for p in held],
+    }
+
+
 @pytest.mark.parametrize(
     "backend_config",
-    [{"sharding_strategy": "SHARD_GRAD_OP"}, {"auto_wrap_policy": "none"}],
-    ids=["shard-grad-op", "no-auto-wrap"],
+    [
+        {"sharding_strategy": "SHARD_GRAD_OP"},
+        {"auto_wrap_policy": "none"},
+        {"version": 1, "sharding_strategy": "SHARD_GRAD_OP"},
+        {"version": 1, "auto_wrap_policy": "none"},
+    ],
+    ids=["fsdp2-shard-grad-op", "fsdp2-no-auto-wrap", "fsdp1-shard-grad-op", "fsdp1-no-auto-wrap"],
 )
 def test_fsdp_options_keep_parity(backend_config, ddp_adam_reference):
     trainer = make_trainer("fsdp", backend_config)
     try:
         trainer.train()
         trainer.train()
+        facts = trainer.apply_all_operators(sharding_facts)
+        # a forward without backward leaves SHARD_GRAD_OP's units gathered: state must still be right
+        trainer.validate()
         model = trainer.get_model()
     finally:
         trainer.shutdown()
     assert max_param_diff(model, ddp_adam_reference) <= 1e-5
+    kind = "Parameter" if backend_config.get("version") == 1 else "DTensor"
+    assert (
+        facts == [{"kinds": [kind], "dtypes": ["torch.float32"], "optimizer_holds_them": True}] * 2
+    )

@@ -32,7 +32,11 @@ class FailOnceAtEpoch2(pl.Callback):
         self.marker = marker
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        if trainer.current_epoch == 2 and trainer.is_global_zero and not os.path.exists(self.marker):
+        if (
+            trainer.current_epoch == 2
+            and trainer.is_global_zero
+            and not os.path.exists(self.marker)
+        ):
             open(self.marker, "w").close()
             raise RuntimeError("trial fails once on purpose")
 

@@ -83,7 +83,9 @@ def test_ddp_kwargs_pass_through_with_the_flags():
 
 
 def test_unknown_ddp_kwarg_names_it_and_lists_the_valid_ones():
-    with pytest.raises(ConfigTypeError, match=r"'bucket_cap'.*did you mean 'bucket_cap_mb'") as info:
+    with pytest.raises(
+        ConfigTypeError, match=r"'bucket_cap'.*did you mean 'bucket_cap_mb'"
+    ) as info:
         DDPConfig(ddp_kwargs={"bucket_cap": 5})
     assert "find_unused_parameters" in str(info.value)  # the valid ones are listed
     assert "bucket_cap_mb" in ddp_parameters()
@@ -114,7 +116,10 @@ def test_strategy_passes_ddp_kwargs_to_the_ddp_backend():
     from polytrain.lightning import RayStrategy
 
     strategy = RayStrategy(num_workers=2, find_unused_parameters=True, bucket_cap_mb=5)
-    assert strategy.backend.config.ddp_kwargs == {"find_unused_parameters": True, "bucket_cap_mb": 5}
+    assert strategy.backend.config.ddp_kwargs == {
+        "find_unused_parameters": True,
+        "bucket_cap_mb": 5,
+    }
     merged = RayStrategy(bucket_cap_mb=5, backend_config={"ddp_kwargs": {"static_graph": True}})
     assert merged.backend.config.ddp_kwargs == {"static_graph": True, "bucket_cap_mb": 5}
 
@@ -181,7 +186,9 @@ def test_ray_lightning_names():
 def test_tune_callbacks_arguments():
     from polytrain.lightning import TuneReportCallback, TuneReportCheckpointCallback
 
-    callback = TuneReportCheckpointCallback({"acc": "val_accuracy"}, "model.ckpt", "train_epoch_end")
+    callback = TuneReportCheckpointCallback(
+        {"acc": "val_accuracy"}, "model.ckpt", "train_epoch_end"
+    )
     assert callback._filename == "model.ckpt" and callback._on == ("train_epoch_end",)
     both = TuneReportCallback(on=["validation_end", "train_batch_end"])
     assert both._on == ("validation_end", "train_batch_end")
@@ -215,7 +222,10 @@ def test_lightning_cli_accepts_ddp_kwargs_and_init_hook(monkeypatch):
     strategy = cli.trainer.strategy
     assert strategy.num_workers == 2 and strategy.num_cpus_per_worker == 2
     # The CLI passes every DDP argument; those at DDP's defaults change nothing and are dropped.
-    assert strategy.backend.config.ddp_kwargs == {"find_unused_parameters": True, "bucket_cap_mb": 10}
+    assert strategy.backend.config.ddp_kwargs == {
+        "find_unused_parameters": True,
+        "bucket_cap_mb": 10,
+    }
     import os
 
     assert strategy.init_hook is os.getpid
