@@ -46,8 +46,12 @@ def _is_dataset(value: Any) -> bool:
     return isinstance(value, Dataset)
 
 
-def check_datasets(datasets: Any, data_creator: Any) -> dict[str, Any] | None:
+def check_datasets(
+    datasets: Any, data_creator: Any, alternative: str = "DataLoaders"
+) -> dict[str, Any] | None:
     """Validate ``datasets=`` on the driver; return it as a dict (None when not given).
+
+    ``alternative`` names what a ``data_creator`` returns instead, for the error message.
 
     Raises:
         ConfigTypeError: not a dict of ``ray.data.Dataset``.
@@ -69,7 +73,7 @@ def check_datasets(datasets: Any, data_creator: Any) -> dict[str, Any] | None:
         if not _is_dataset(value):
             raise ConfigTypeError(
                 f"datasets[{key!r}] must be a ray.data.Dataset (ray.data.from_numpy, "
-                f"read_parquet, ...); got {type(value).__name__}. Give DataLoaders through "
+                f"read_parquet, ...); got {type(value).__name__}. Give {alternative} through "
                 f"data_creator instead."
             )
     if data_creator is not None:

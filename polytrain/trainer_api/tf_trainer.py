@@ -10,7 +10,7 @@ import numpy as np
 from polytrain.backends.base import Backend
 from polytrain.errors import ConfigError, CreatorError
 from polytrain.launchers.base import WorkerGroup
-from polytrain.trainer_api import checkpoint_tf, tf_worker
+from polytrain.trainer_api import checkpoint_tf, ray_data, ray_data_tf, tf_worker
 from polytrain.trainer_api.config import (
     CheckpointConfig,
     FailureConfig,
@@ -72,7 +72,7 @@ class TFTrainer(BaseTrainer):
         data_creator: ``config -> tf.data.Dataset`` or ``(train_dataset, val_dataset)``,
             batched with the global batch ``config["batch_size"]``. Called on every
             worker; every worker must produce the same data in the same order (fixed
-            seeds) for the default "data" sharding.
+            seeds) for the default "data" sharding. Leave it out when ``datasets`` is given.
         config: the user's hyperparameters, passed to both creators.
         num_workers: shortcut for ``scaling_config.num_workers`` (0 = local mode: one
             worker in the driver process, no Ray, TensorFlow's default strategy).
@@ -93,6 +93,14 @@ class TFTrainer(BaseTrainer):
             after a restart), before ``TF_CONFIG`` is set and TensorFlow starts.
         loggers: experiment trackers (Logger instances or "tensorboard", "mlflow",
             "wandb", "csv") that get the metrics of every call.
+        datasets: Ray Data input instead of ``data_creator``: ``{"train": ds, "val": ds}``
+            (``ray.data.Dataset``), split between the workers with ``streaming_split``
+            and read on each as ``tf.data`` in batches of the global batch, which the
+            strategy splits between the workers; the backend's ``auto_shard_policy``
+            becomes "off" (see :mod:`polytrain.trainer_api.ray_data_tf`).
+        dataset_columns: with ``datasets``: ``{"features": name or [names], "label":
+            name or [names]}``; default: the last column is the label, the others the
+            features (one name: a tensor; a list: a dict keyed by column name).
     """
 
     framework = "tensorflow"
@@ -102,7 +110,7 @@ class TFTrainer(BaseTrainer):
         self,
         *,
         model_creator: Callable[[dict], Any],
-        data_creator: Callable[[dict], Any],
+        data_creator: Callable[[dict], Any] | None = None,
         config: dict[str, Any] | None = None,
         num_workers: int | None = None,
         use_gpu: bool | None = None,
@@ -115,7 +123,18 @@ class TFTrainer(BaseTrainer):
         checkpoint_config: CheckpointConfig | dict | None = None,
         init_hook: Callable[[], None] | None = None,
         loggers: Any = None,
+        datasets: dict[str, Any] | None = None,
+        dataset_columns: dict[str, Any] | None = None,
     ) -> None:
+        self.datasets = ray_data.check_datasets(datasets, data_creator, "tf.data datasets")
+        if self.datasets is not None:
+            self.dataset_columns = ray_data_tf.check_columns(self.datasets, dataset_columns)
+            data_creator = ray_data_tf.shard_datasets
+        elif dataset_columns is not None:
+            raise ConfigError(
+                f"dataset_columns={dataset_columns!r} applies only to datasets= (Ray Data); "
+                f"pass datasets, or drop dataset_columns."
+            )
         self.creators = tf_worker.TFCreators(model_creator, data_creator)
         super().__init__(
             backend=backend,
@@ -132,10 +151,22 @@ class TFTrainer(BaseTrainer):
             init_hook=init_hook,
             loggers=loggers,
         )
+        if self.datasets is not None:
+            ray_data_tf.turn_off_auto_shard(self.backend)
         self._start()
 
     # ------------------------------------------------------------- workers
     def _setup_workers(self, group: WorkerGroup) -> None:
+        if self.datasets is not None:  # a fresh split for every group: no stale coordinator
+            shards = ray_data.split(self.datasets, len(group))
+            group.get(
+                [
+                    group.execute_single_async(
+                        rank, ray_data_tf.receive_shards, shard, self.dataset_columns
+                    )
+                    for rank, shard in enumerate(shards)
+                ]
+            )
         setup = tf_worker.TFWorkerSetup(
             creators=self.creators,
             backend=self.backend,

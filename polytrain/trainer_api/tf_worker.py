@@ -70,6 +70,14 @@ class TFCreators:
         for label, dataset in (("train dataset", train), ("validation dataset", val)):
             if dataset is None and label == "validation dataset":
                 continue
+            if type(dataset).__module__.startswith("ray.data"):
+                # Splitting between the workers must happen once, on the driver.
+                raise CreatorError(
+                    f"data_creator returned {_describe(dataset)}, a Ray Dataset: a worker "
+                    f"cannot split it with the others. Pass it to the trainer instead: "
+                    f"TFTrainer(..., datasets={{'train': ds, 'val': val_ds}}) without a "
+                    f"data_creator."
+                )
             if not isinstance(dataset, tf.data.Dataset):
                 raise CreatorError(
                     f"data_creator returned {_describe(dataset)} as its {label}; expected a "
