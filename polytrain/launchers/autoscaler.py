@@ -16,7 +16,6 @@ Estimates err towards waiting: unknown counts never make a request look impossib
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -26,6 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from polytrain.errors import InsufficientResourcesError
+from polytrain.launchers.autoscaler_status import (  # re-exported: the readers' home is there
+    autoscaler_runs,
+    live_nodes,
+    read_autoscaler_status,
+)
 
 #: Start timeouts without and with an autoscaler: a new cloud node boots and runs its
 #: setup (examples/cluster: downloads and a Horovod build) before it joins.
@@ -33,7 +37,10 @@ START_TIMEOUT_S, AUTOSCALER_START_TIMEOUT_S = 30.0, 900.0
 PROGRESS_EVERY_S = 20.0  # how often the driver prints a line while it waits
 CLUSTER_CONFIG_ENV = "POLYTRAIN_CLUSTER_CONFIG"  # a cluster file to read node types from
 
-_STATUS_KEY = "__autoscaling_status"  # ray._private.ray_constants.DEBUG_AUTOSCALING_STATUS
+_UNSEEN = (
+    "an autoscaler whose node types are not readable from this process (set "
+    "POLYTRAIN_CLUSTER_CONFIG to the cluster file to check requests against them)"
+)
 _HINTS = (
     "Lower the per-worker resources or add a larger node type.",
     "Set use_gpu=False or add a GPU node type.",
@@ -58,9 +65,12 @@ class ClusterShape:
     max_workers: int | None = None
     source: str = ""
     setup: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    visible: bool = True  # False: an autoscaler runs, its node types are not readable here
 
     def describe(self) -> str:
         """One line: ``cpu_node {CPU: 2} x 0-2, ... (at most 3 worker nodes)``."""
+        if not self.visible:
+            return "node types not readable from here"
         parts = [
             f"{t.name} {{{_fmt(t.resources) or 'resources set at launch'}}} x "
             f"{t.min_workers}-{'unlimited' if t.max_workers is None else t.max_workers}"
@@ -286,14 +296,18 @@ def judge_request(
 ) -> ClusterShape | None:
     """Driver: the cluster's shape when some node type can hold the request.
 
-    Returns None when no autoscaler's node types are visible (judge the live nodes).
+    Returns None when no autoscaler runs (judge the live nodes), and a shape with
+    ``visible=False`` when one runs whose node types cannot be read from here.
 
     Raises:
         InsufficientResourcesError: at once, when no node type ever can.
     """
     shape = read_cluster_shape()
-    if shape is None:
-        return None
+    if shape is None and autoscaler_runs():
+        # Nodes may come, of types unknown here: wait for them rather than fail at once.
+        return ClusterShape((), source=_UNSEEN, visible=False)
+    if shape is None or not shape.visible:
+        return shape
     counts = live_counts_from_status(read_autoscaler_status())
     ok, reason = can_ever_fit(bundle, count, live_nodes(), shape, strategy, counts)
     if not ok:
@@ -334,21 +348,6 @@ def wait_for_nodes(
 
 
 # ------------------------------------------------------------------ Ray readers
-def read_autoscaler_status() -> dict[str, Any] | None:
-    """The autoscaler's status JSON in the GCS (None: no autoscaler has reported)."""
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    raw = _internal_kv_get(_STATUS_KEY)
-    return json.loads(raw) if raw else None
-
-
-def live_nodes() -> list[dict[str, float]]:
-    """Total resources of every alive node."""
-    import ray
-
-    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
-
-
 def read_cluster_shape(config_path: str | os.PathLike | None = None) -> ClusterShape | None:
     """What the connected cluster can become; None when no source is visible from here.
 

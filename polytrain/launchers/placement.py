@@ -166,7 +166,9 @@ def request_workers(bundle: Mapping[str, float], count: int) -> bool:
     (nothing is pending). Each call replaces the previous ask. Returns False (and asks
     nothing) when no autoscaler is visible.
     """
-    if not ray.is_initialized() or autoscaler.read_cluster_shape() is None:
+    if not ray.is_initialized():
+        return False
+    if autoscaler.read_cluster_shape() is None and not autoscaler.autoscaler_runs():
         return False
     from ray.autoscaler.sdk import request_resources
 

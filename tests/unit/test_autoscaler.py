@@ -190,3 +190,33 @@ def test_start_timeout_is_minutes_only_where_an_autoscaler_may_add_nodes():
     # A value the user gives is used as given, with or without an autoscaler.
     assert start_timeout(5.0, FAKE) == start_timeout(5.0, None) == 5.0
     assert start_timeout(0.0, FAKE) == 0.0
+
+
+@pytest.mark.parametrize("runs", [True, False])
+def test_an_unreadable_autoscaler_is_waited_for_and_no_autoscaler_judges_live_nodes(
+    monkeypatch, runs
+):
+    from polytrain.launchers import autoscaler
+
+    monkeypatch.setattr(autoscaler, "read_cluster_shape", lambda: None)
+    monkeypatch.setattr(autoscaler, "autoscaler_runs", lambda: runs)
+    shape = autoscaler.judge_request({"CPU": 64.0}, 2, "PACK", "2 x CPU 64")
+    if not runs:
+        assert shape is None  # the caller checks the live nodes, and fails at once
+        return
+    assert shape is not None and not shape.visible
+    assert start_timeout(None, shape) == start_timeout(None, FAKE) > start_timeout(None, None)
+    assert waiting_message(nodes_to_add({"CPU": 64.0}, 2, [HEAD], shape), 40) == (
+        "waiting for nodes from the autoscaler, 40 s so far"
+    )
+
+
+def test_a_watching_monitor_is_not_an_autoscaler(monkeypatch):
+    """Every cluster's monitor reports a status; only one with node types can add nodes."""
+    from polytrain.launchers import autoscaler_status
+
+    read_only = {"autoscaler_report": {"node_type_mapping": {"ab12": "node_ab12"}}}
+    real = {"autoscaler_report": {"node_type_mapping": {"ab12": "ray.head.default"}}}
+    for status, expected in ((read_only, False), (real, True)):
+        monkeypatch.setattr(autoscaler_status, "read_autoscaler_status", lambda s=status: s)
+        assert autoscaler_status.autoscaler_runs() is expected
