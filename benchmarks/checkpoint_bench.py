@@ -70,16 +70,10 @@ def optimizer_creator(model, config: dict):
 
 
 def _init_ray() -> None:
-    import ray
+    sys.path.insert(0, str(REPO))  # this repository's ``benchmarks``, not fairscale's
+    from benchmarks.recovery_cost import init_local_ray
 
-    sys.path.insert(0, str(REPO))
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
-        configure_logging=False,
-    )
+    init_local_ray()
 
 
 def make_trainer(backend: str, num_workers: int, **kwargs):

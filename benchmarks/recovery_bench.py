@@ -48,6 +48,7 @@ from benchmarks.recovery_cost import (  # noqa: E402
     GLOBAL_BATCH,
     LAYERS,
     WIDTH,
+    init_local_ray,
     model_creator,
     optimizer_creator,
 )
@@ -106,14 +107,7 @@ def run_one(backend: str, workdir: Path) -> dict:
 
     from polytrain import TorchTrainer
 
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
-        configure_logging=False,
-        log_to_driver=False,
-    )
+    init_local_ray(log_to_driver=False)
     log, marker = workdir / "steps.log", workdir / "killed"
     start = time.time()
     trainer = TorchTrainer(

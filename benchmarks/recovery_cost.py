@@ -82,12 +82,9 @@ def optimizer_creator(model, config: dict):
     return torch.optim.Adam(model.parameters(), lr=1e-4)
 
 
-def run_one(max_retries: int, epochs: int) -> dict:
-    """One driver run: train ``epochs`` epochs; return the measurements."""
+def init_local_ray(**options: object) -> None:
+    """A local Ray instance for one benchmark driver: 4 logical CPUs, this repository importable."""
     import ray
-    import torch
-
-    from polytrain import TorchTrainer
 
     sys.path.insert(0, str(REPO))
     ray.init(
@@ -96,7 +93,18 @@ def run_one(max_retries: int, epochs: int) -> dict:
         _node_ip_address="127.0.0.1",
         runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
         configure_logging=False,
+        **options,
     )
+
+
+def run_one(max_retries: int, epochs: int) -> dict:
+    """One driver run: train ``epochs`` epochs; return the measurements."""
+    import ray
+    import torch
+
+    from polytrain import TorchTrainer
+
+    init_local_ray()
     trainer = TorchTrainer(
         model_creator=model_creator,
         data_creator=data_creator,
