@@ -10,11 +10,9 @@ with nccl, and take the same :class:`FSDPConfig` (NO_SHARD and FSDP1's flags:
 version 1 only). Optimizers are rebuilt over the sharded parameters with every
 param group and per-group option.
 
-Full checkpoints go through ``torch.distributed.checkpoint.state_dict``; the
-optimizer state is re-keyed from parameter names to indices (torch's own
-``optimizer.state_dict()`` format), so a plain torch optimizer loads it. Sharded
-directories are written and read range by range, with no gather
-(:mod:`polytrain.backends.fsdp_state`).
+Full checkpoints go through ``torch.distributed.checkpoint.state_dict``, the optimizer
+state re-keyed from parameter names to indices (torch's ``optimizer.state_dict()``
+format). Sharded directories are read and written range by range (:mod:`.fsdp_state`).
 
 The driver side is :class:`~polytrain.backends.torch_distributed.TorchDistributedRendezvous`;
 the worker side :class:`FSDPStrategy` (version 1) or ``FSDP2Strategy`` (version 2).
@@ -328,9 +326,12 @@ class FSDPStrategy(TorchStrategy):
         if not _sharding.shards(ctx):
             load_whole(self, components, reader, ctx)
             return
-        fsdp_state.fsdp_load(self._owned(components), components, reader, ranges_of=self._ranges)
+        owned = self._owned(components)
+        fsdp_state.fsdp_load(owned, components, reader, self._ranges, self._loaded_state_layout)
 
     # ------------------------------------------ what differs between the versions
+    _loaded_state_layout: Any = None  # optimizer state read back -> its layout (None: as read)
+
     def _sharded(self, model: torch.nn.Module) -> bool:
         """Whether :meth:`prepare` sharded ``model``."""
         from torch.distributed.fsdp import FullyShardedDataParallel

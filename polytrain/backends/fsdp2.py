@@ -33,7 +33,7 @@ from polytrain.backends import _sharding, fsdp2_state, fsdp_state
 from polytrain.backends.context import Components, WorkerContext
 from polytrain.backends.fsdp import FSDPConfig, FSDPStrategy, broadcast_from_rank0
 from polytrain.backends.precision import Precision, default_precision
-from polytrain.backends.shard_state import LocalState, ShardReader, load_whole
+from polytrain.backends.shard_state import LocalState, ShardReader
 from polytrain.errors import ConfigError
 
 #: Containers that are never called: FSDP2 gathers a unit's parameters in its forward
@@ -195,17 +195,12 @@ class FSDP2Strategy(FSDPStrategy):
         self, components: Components, reader: ShardReader, ctx: WorkerContext
     ) -> None:
         """Worker: read only this rank's rows of a sharded checkpoint from any backend."""
-        if not _sharding.shards(ctx):
-            load_whole(self, components, reader, ctx)
-            return
-        _reshard(components)
-        fsdp_state.fsdp_load(
-            self._owned(components),
-            components,
-            reader,
-            ranges_of=self._ranges,
-            convert=fsdp2_state.as_param_layout,
-        )
+        if _sharding.shards(ctx):
+            _reshard(components)
+        super().load_sharded_state_dict(components, reader, ctx)
+
+    # DTensor rows for the optimizer: its state is sharded like the parameters.
+    _loaded_state_layout = staticmethod(fsdp2_state.as_param_layout)
 
     def _sharded(self, model: torch.nn.Module) -> bool:
         from torch.distributed.fsdp import FSDPModule
