@@ -27,6 +27,7 @@ PRELOAD = "torch,torch.distributed,torch._dynamo"
 SCENARIOS = (
     ("second", "second/third TorchTrainer, ddp", ["--backend", "ddp"], ()),
     ("second", "second/third TorchTrainer, horovod", ["--backend", "horovod"], ("horovod",)),
+    ("resize", "another world size, ddp: 1 -> 2 -> 1", ["--backend", "ddp"], ()),
     ("lightning", "pl.Trainer fit then test, RayStrategy", [], ("pytorch_lightning",)),
     ("compare", "polytrain compare, warm pool", [], ()),
     ("compare", "polytrain compare, pool off", ["--pool", "off"], ()),
@@ -164,6 +165,19 @@ WARM_ROWS = (
         "  of which: hvd.init on warm workers",
         None,
     ),
+    ("warm/resize-backend-ddp", "cold1_first_step_s", "1 worker (ddp, cold, Ray running)", None),
+    (
+        "warm/resize-backend-ddp",
+        "grow_first_step_s",
+        "2 workers on the 1 warm + 1 new: call to end of 1st step",
+        None,
+    ),
+    (
+        "warm/resize-backend-ddp",
+        "shrink_first_step_s",
+        "1 worker on the first of those 2 warm: call to end of 1st step",
+        1.0,
+    ),
     ("warm/lightning", "test_overhead_s", "trainer.test after fit: call to 1st test batch", 1.0),
     ("warm/lightning", "fit_overhead_s", "trainer.fit (cold): call to 1st train batch", None),
     (
@@ -235,6 +249,7 @@ def _reuse_checks(section: dict[str, Any]) -> str:
     checks = []
     for key, what in (
         ("warm/second-backend-ddp", "2nd/3rd ddp trainer on the 1st's workers"),
+        ("warm/resize-backend-ddp", "1 -> 2 -> 1 workers kept their warm workers"),
         ("warm/lightning", "test on fit's workers"),
         ("warm/tune-reuse-actors", "Tune trials kept their workers (of 2)"),
     ):

@@ -75,7 +75,12 @@ def phase_marks(trainer: TorchTrainer) -> dict[str, Any]:
     return {"marks": marks, "imports_s": imports, "reused": bool(getattr(group, "reused", False))}
 
 
-def make_trainer(backend: str, backend_config: Any, spec: workload.WorkloadSpec) -> TorchTrainer:
+def make_trainer(
+    backend: str,
+    backend_config: Any,
+    spec: workload.WorkloadSpec,
+    num_workers: int = workload.NUM_WORKERS,
+) -> TorchTrainer:
     """The benchmark's trainer (timed operator, phase marks) on ``backend``."""
     return PhaseTrainer(
         model_creator=workload.pt_model_creator,
@@ -84,7 +89,7 @@ def make_trainer(backend: str, backend_config: Any, spec: workload.WorkloadSpec)
         loss_creator=torch.nn.CrossEntropyLoss,
         training_operator_cls=TimedOperator,
         config={"batch_size": workload.GLOBAL_BATCH, "spec": spec.to_json()},
-        num_workers=workload.NUM_WORKERS,
+        num_workers=num_workers,
         num_cpus_per_worker=1,
         backend=backend,
         backend_config=backend_config,

@@ -50,10 +50,12 @@ def _first_step(trainer: Any) -> float:
     return max(s["marks"]["first_step"] for s in summaries)
 
 
-def _start_and_step(backend: str, spec: workload.WorkloadSpec, prefix: str) -> dict[str, Any]:
+def _start_and_step(
+    backend: str, spec: workload.WorkloadSpec, prefix: str, num_workers: int = workload.NUM_WORKERS
+) -> dict[str, Any]:
     """Build a trainer, train ``spec.steps`` steps; its start-up phases as seconds from the call."""
     t0 = time.time()
-    trainer = make_trainer(backend, _BACKEND_CONFIGS.get(backend), spec)
+    trainer = make_trainer(backend, _BACKEND_CONFIGS.get(backend), spec, num_workers)
     ready = time.time()
     trainer.train(num_steps=spec.steps)
     first = _first_step(trainer)
@@ -83,6 +85,20 @@ def scenario_second(args: argparse.Namespace, spec: workload.WorkloadSpec) -> di
     third = _start_and_step(args.backend, spec, "third")
     metrics = {**cold["metrics"], **second["metrics"], **third["metrics"]}
     metrics["same_workers"] = cold["pids"] == second["pids"] == third["pids"]
+    return metrics
+
+
+def scenario_resize(args: argparse.Namespace, spec: workload.WorkloadSpec) -> dict[str, Any]:
+    """Another world size on warm workers: 1 cold worker, grown to 2, then 1 of those 2 again."""
+    from polytrain.launchers.connect import ensure_ray
+
+    ensure_ray()
+    cold = _start_and_step(args.backend, spec, "cold1", num_workers=1)
+    grown = _start_and_step(args.backend, spec, "grow", num_workers=2)
+    shrunk = _start_and_step(args.backend, spec, "shrink", num_workers=1)
+    metrics = {**cold["metrics"], **grown["metrics"], **shrunk["metrics"]}
+    grown_pids = set(grown["pids"])
+    metrics["workers_kept"] = set(cold["pids"]) < grown_pids and set(shrunk["pids"]) < grown_pids
     return metrics
 
 
@@ -250,6 +266,7 @@ class PidOperator(TimedOperator):
 
 SCENARIOS = {
     "second": scenario_second,
+    "resize": scenario_resize,
     "lightning": scenario_lightning,
     "compare": scenario_compare,
     "tune": scenario_tune,

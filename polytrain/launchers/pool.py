@@ -5,7 +5,10 @@ down (a trainer's ``shutdown()``, the end of a Lightning call, a ``polytrain
 compare`` run) resets its actors (:mod:`polytrain.launchers.worker_reset`) and
 leaves them here with their placement group, keyed by :class:`PoolKey` (bundle,
 worker count, strategy, placement group, Ray session). The next group of exactly
-that shape takes the whole group, with torch and the backend imported already.
+that shape takes the whole group, with torch and the backend imported already; a
+group of another world size takes a group of another size
+(:meth:`WorkerPool.take_resized`): a smaller one uses the first workers of a
+larger group, a larger one adds new workers to a smaller group.
 
 One pool per process. It is bounded: at most ``max_idle`` idle workers (oldest
 out first); an idle group is stopped after ``idle_timeout_s``, at once when a
@@ -19,15 +22,20 @@ Importing this module does not import Ray.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from polytrain.launchers.pool_groups import (
+    RESIZABLE_STRATEGIES,
+    IdleGroup,
+    PoolKey,
+    session_token,
+    stop_actors,
+)
 from polytrain.launchers.pool_settings import (
     ENV_IDLE_TIMEOUT,
     ENV_MAX_IDLE,
@@ -46,6 +54,7 @@ __all__ = [
     "IdleGroup",
     "PoolKey",
     "PoolSettings",
+    "RESIZABLE_STRATEGIES",
     "WorkerPool",
     "clear",
     "configure",
@@ -55,6 +64,7 @@ __all__ = [
     "reset_settings",
     "session_token",
     "stats",
+    "stop_actors",
 ]
 
 logger = logging.getLogger(__name__)
@@ -96,90 +106,6 @@ def configure(
     return settings
 
 
-def session_token() -> str:
-    """Which Ray session (and job) the driver is connected to now: pooled actors belong to one."""
-    import ray
-
-    ctx = ray.get_runtime_context()
-    try:
-        session = ctx.get_session_name()
-    except Exception:  # noqa: BLE001 - e.g. a Ray Client connection: the job id alone
-        session = "?"
-    return f"{session}/{ctx.get_job_id()}"
-
-
-@dataclass(frozen=True)
-class PoolKey:
-    """What a pooled group holds; a new group takes it only on an exact match.
-
-    Attributes:
-        bundle: the per-worker bundle, as sorted (resource, amount) pairs.
-        num_workers: the number of workers.
-        strategy: the placement strategy.
-        scope: ``"own"`` for a group with its own placement group, else the hex id of
-            the (Tune trial's) placement group its workers live in.
-        session: :func:`session_token` when the group started.
-    """
-
-    bundle: tuple[tuple[str, float], ...]
-    num_workers: int
-    strategy: str
-    scope: str
-    session: str
-
-    @classmethod
-    def of(cls, group: Any, placement_group: Any = None) -> PoolKey:
-        """The key of ``group`` now; ``placement_group``: the trial's its workers live in, if any."""
-        scope = "own" if placement_group is None else placement_group.id.hex()
-        bundle = tuple(sorted(group.bundle.items()))
-        return cls(bundle, group.num_workers, group.placement_strategy, scope, session_token())
-
-
-@dataclass
-class IdleGroup:
-    """A released group waiting in the pool: actors in rank order, their placement group.
-
-    Its workers' ``reset()`` calls may still be running: the group that takes it
-    calls ``reuse()`` next, which Ray runs after them on each actor.
-    """
-
-    key: PoolKey
-    actors: list[Any]
-    metadata: list[Any]
-    placement_group: Any
-    owns_placement_group: bool
-    released_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def size(self) -> int:
-        """Number of workers."""
-        return len(self.actors)
-
-    def stop(self) -> None:
-        """Kill the actors, remove an own placement group (an earlier session's: forget them)."""
-        import ray
-
-        try:
-            current = session_token() if ray.is_initialized() else None
-        except Exception:  # noqa: BLE001 - Ray going down
-            current = None
-        if current == self.key.session:
-            stop_actors(self.actors, self.placement_group if self.owns_placement_group else None)
-
-
-def stop_actors(actors: Sequence[Any], placement_group: Any = None) -> None:
-    """Kill ``actors`` and remove ``placement_group`` (if given); errors are ignored."""
-    import ray
-    from ray.util.placement_group import remove_placement_group
-
-    for actor in actors:
-        with contextlib.suppress(Exception):  # already dead is fine
-            ray.kill(actor, no_restart=True)
-    if placement_group is not None:
-        with contextlib.suppress(Exception):  # already removed is fine
-            remove_placement_group(placement_group)
-
-
 class WorkerPool:
     """The driver process's idle groups (use the module-level :data:`POOL`)."""
 
@@ -190,7 +116,7 @@ class WorkerPool:
         self._closed = False
         self._atexit_registered = False
         self._pending_seen: set[str] = set()
-        self.counts = {"hits": 0, "misses": 0, "returned": 0, "stopped": 0}
+        self.counts = {"hits": 0, "misses": 0, "resized": 0, "returned": 0, "stopped": 0}
 
     # ---------------------------------------------------------------- use
     def put(self, group: IdleGroup) -> bool:
@@ -216,18 +142,41 @@ class WorkerPool:
             self.counts["misses"] += 1
         return None
 
-    def take_ready(
-        self, key: PoolKey, env_vars: dict[str, str]
-    ) -> tuple[IdleGroup, list[Any]] | None:
-        """:meth:`take` a group and make its workers ready: ``(group, metadata in rank order)``.
+    def take_resized(self, key: PoolKey) -> IdleGroup | None:
+        """Remove and return an idle group of another size that can serve ``key``, or None.
 
-        Every worker gets ``env_vars`` on top of its start environment, after its reset
-        finished. A group whose reset failed, or that died or hangs while idle, is
-        stopped and None returned: the caller starts fresh actors.
+        See :meth:`PoolKey.resizes_to`. Prefers the smallest group that holds
+        ``key.num_workers`` (its other workers wait beside the new group and come
+        back with it), then the largest smaller one (fewest workers to add).
+        """
+        with self._lock:
+            fits = [g for g in self._idle if g.key.resizes_to(key)]
+            if not fits:
+                return None
+            larger = [g for g in fits if g.size > key.num_workers]
+            chosen = (
+                min(larger, key=lambda g: g.size) if larger else max(fits, key=lambda g: g.size)
+            )
+            self._idle.remove(chosen)
+            self.counts["resized"] += 1
+        return chosen
+
+    def take_ready(
+        self, key: PoolKey, env_vars: dict[str, str], resize: bool = False
+    ) -> tuple[IdleGroup, list[Any]] | None:
+        """Take a group and make its workers ready: ``(group, metadata in rank order)``.
+
+        :meth:`take` first; with ``resize`` then :meth:`take_resized` (the group may
+        have another size than ``key``). Every worker gets ``env_vars`` on top of its
+        start environment, after its reset finished. A group whose reset failed, or
+        that died or hangs while idle, is stopped and None returned: the caller
+        starts fresh actors.
         """
         import ray
 
         idle = self.take(key)
+        if idle is None and resize:
+            idle = self.take_resized(key)
         if idle is None:
             return None
         try:
@@ -284,7 +233,7 @@ class WorkerPool:
             return sum(g.size for g in self._idle)
 
     def stats(self) -> dict[str, int]:
-        """Idle groups and workers now, and counts of hits, misses, returned and stopped groups."""
+        """Idle groups and workers now; counts of hits, misses, resized, returned, stopped groups."""
         with self._lock:
             return {
                 "idle_groups": len(self._idle),
@@ -395,5 +344,5 @@ def idle_workers() -> int:
 
 
 def stats() -> dict[str, int]:
-    """This process's pool: idle groups and workers, hits, misses, returned and stopped groups."""
+    """This process's pool: idle groups and workers; hits, misses, resized, returned, stopped groups."""
     return POOL.stats()

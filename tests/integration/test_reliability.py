@@ -254,10 +254,12 @@ def test_elastic_shrinks_after_a_failure_keeps_the_global_batch_and_grows_back(
         killer.join(timeout=5)
         assert ray.get(hog.ready.remote(), timeout=30)
         per_worker_batches = trainer.apply_all_operators(lambda op: op.config["batch_size"])
+        shrunk_pids = trainer.apply_all_workers(os.getpid)
         ray.kill(hog)
         hog = None
         time.sleep(2)
         grown = trainer.train()
+        grown_pids = trainer.apply_all_workers(os.getpid)
     finally:
         if hog is not None:
             ray.kill(hog)
@@ -266,5 +268,7 @@ def test_elastic_shrinks_after_a_failure_keeps_the_global_batch_and_grows_back(
     assert shrunk["num_restarts"] == 1 and shrunk["num_workers"] == 2
     assert per_worker_batches == [12, 12]  # global batch 24 kept: each of 2 workers takes 12
     assert grown["num_workers"] == 3
+    # The group grew on its warm workers: the 2 kept, 1 added (issue 14, point 2).
+    assert set(shrunk_pids) < set(grown_pids)
     # every training sample still seen once per epoch, at either size
     assert shrunk["num_samples"] >= 1437 and grown["num_samples"] >= 1437

@@ -148,11 +148,11 @@ def test_second_trainer_takes_the_first_trainers_workers(ray_start_4_cpus):
     second.shutdown()
 
 
-def test_other_shape_starts_fresh_workers(ray_start_4_cpus):
+def test_other_bundle_starts_fresh_workers(ray_start_4_cpus):
     first = _group(num_workers=2)
     pids = _pids(first)
     first.shutdown()
-    other = _group(num_workers=1)
+    other = _group(num_workers=1, num_cpus_per_worker=2)  # another world size alone: resized
     assert not other.reused and set(_pids(other)).isdisjoint(pids)
     other.shutdown()
 
@@ -313,12 +313,12 @@ def test_max_idle_bounds_the_pool(ray_start_4_cpus):
     assert pool.idle_workers() == 1
 
 
-def test_idle_workers_make_room_for_a_larger_group(ray_start_4_cpus):
+def test_idle_workers_make_room_for_a_group_of_another_shape(ray_start_4_cpus):
     small = _group(num_workers=2)
     small.shutdown()
     assert pool.idle_workers() == 2
     # 4 CPUs: 3 more fit only once the 2 idle workers are gone.
-    large = _group(num_workers=3)
+    large = _group(num_workers=1, num_cpus_per_worker=3)
     assert not large.reused and pool.idle_workers() == 0
     large.shutdown()
 
