@@ -8,7 +8,8 @@ processes, never by ``ray stop``. Skipped when the fake autoscaler cannot start 
 The cluster lives for the whole module and idle nodes stay a minute, so a test may find
 nodes an earlier one added. The tests run in file order: the first trainer test starts
 on a cluster without worker nodes (the ones before it add none); the others are valid
-whatever nodes they find.
+whatever nodes they find. The elastic test changes the node count through the
+autoscaler's config file (it re-reads it at every update) and restores the file after.
 """
 
 from __future__ import annotations
@@ -350,3 +351,78 @@ def test_a_placement_group_waits_for_new_nodes_with_progress(fake_cluster):
         assert value["lines"], "no progress line while the autoscaler started nodes"
         assert _PROGRESS.fullmatch(value["lines"][0]), value["lines"]
         assert " x cpu_node " in value["lines"][0], value["lines"]
+
+
+# The elastic test's driver code, after a ``CONFIG = <autoscaling config path>`` line.
+# The node count changes through the autoscaler itself: it re-reads its config file at
+# every update, terminates the nodes of a type beyond that type's ``max_workers``
+# through its provider (draining them first), and launches nodes for a standing
+# ``request_resources`` ask once ``max_workers`` allows. A raylet killed by hand would
+# not do: Ray's fake provider keeps listing the dead node as capacity and never
+# replaces it.
+_ELASTIC_DRIVER = """
+import logging, os
+messages = []
+
+class Keep(logging.Handler):
+    def emit(self, record):
+        messages.append(record.getMessage())
+
+logging.getLogger("polytrain").addHandler(Keep(logging.WARNING))
+ORIGINAL = open(CONFIG).read()
+
+def set_max_workers(n):
+    cfg = json.loads(ORIGINAL)
+    cfg["max_workers"] = cfg["available_node_types"]["cpu_node"]["max_workers"] = n
+    with open(CONFIG + ".tmp", "w") as f:
+        f.write(json.dumps(cfg))
+    os.replace(CONFIG + ".tmp", CONFIG)  # the autoscaler never reads half a file
+
+def wait_until(check, seconds, what):
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not within {seconds} s: {len(cpu_nodes())} nodes")
+        time.sleep(0.5)
+
+sizes = []
+t = trainer(num_workers=2, min_workers=1)
+t.train()
+sizes.append(world_sizes(t))
+set_max_workers(1)  # the autoscaler terminates a node, and the worker on it
+wait_until(lambda: len(cpu_nodes()) == 1, 60, "one node left")
+t.train()  # a worker is lost: restarts on the node left and asks for room for 2
+sizes.append(world_sizes(t))
+set_max_workers(2)  # the autoscaler may launch a node for the standing ask
+deadline = time.monotonic() + 90
+while sizes[-1] != [2, 2] and time.monotonic() < deadline:
+    time.sleep(1.0)
+    t.train()  # one epoch: its start is where a shrunk group grows back
+    sizes.append(world_sizes(t))
+result({"sizes": sizes, "messages": messages, "restarts": t.num_restarts,
+        "nodes": len(cpu_nodes())})
+t.shutdown()
+"""
+
+
+def test_an_elastic_group_grows_back_when_the_autoscaler_adds_a_node(fake_cluster):
+    """Issue 19: 2 elastic workers shrink to 1 when the autoscaler removes a node, ask it
+    for room for 2, and grow back at an epoch start once it has added a node."""
+    original = fake_cluster.config.read_text()
+    try:
+        value, output = fake_cluster.driver(
+            _TRAINER_DRIVER + f"CONFIG = {str(fake_cluster.config)!r}\n" + _ELASTIC_DRIVER
+        )
+    finally:
+        fake_cluster.config.write_text(original)  # later tests see the original node types
+    sizes, messages = value["sizes"], value["messages"]
+    assert sizes[:2] == [[2, 2], [1]], (sizes, output[-3000:])
+    assert sizes[-1] == [2, 2] and all(s == [1] for s in sizes[1:-1]), (sizes, output[-3000:])
+    assert value["restarts"] == 1 and value["nodes"] == 2, value
+    asked = "Elastic training: asked the autoscaler for room for 2 workers."
+    grew = "Elastic training: resources are back; growing from 1 to 2 workers."
+    assert asked in messages and grew in messages, messages
+    assert messages.index(asked) < messages.index(grew), messages
+    # The node went through the autoscaler's provider, for the lowered max_workers.
+    monitor = fake_cluster.root / "ray" / "session_latest" / "logs" / "monitor.log"
+    assert "(max_workers_per_type)" in monitor.read_text(errors="replace")
