@@ -21,8 +21,6 @@ from typing import Any
 from benchmarks.cases import Case, _py, torch_cases
 from benchmarks.workload import WorkloadSpec
 
-PRELOAD = "torch,torch.distributed,torch._dynamo"
-
 #: (scenario, label, extra arguments, requirements) of the warm group.
 SCENARIOS = (
     ("second", "second/third TorchTrainer, ddp", ["--backend", "ddp"], ()),
@@ -40,10 +38,11 @@ def groups(steps: int) -> list[list[Case]]:
     """The section's interleaving groups for a run of ``steps`` steps per trainer."""
     spec = WorkloadSpec(model="mlp", steps=steps, warmup=min(20, steps // 2))
     cold = torch_cases("ddp", spec, "warm")
+    cold[1].label = 'polytrain TorchTrainer(backend="ddp"), workers pre-import torch (default)'
     preload = torch_cases("ddp", spec, "warm")[1]
-    preload.key = "warm/polytrain-ddp-preload"
-    preload.label = 'polytrain TorchTrainer(backend="ddp"), workers pre-import torch'
-    preload.commands = [(argv + ["--preload", PRELOAD], env) for argv, env in preload.commands]
+    preload.key = "warm/polytrain-ddp-no-preload"
+    preload.label = 'polytrain TorchTrainer(backend="ddp"), pre-imports off'
+    preload.commands = [(argv + ["--preload", "none"], env) for argv, env in preload.commands]
     scenarios = []
     for scenario, label, extra, requires in SCENARIOS:
         key = "warm/" + "-".join([scenario, *(a.strip("-") for a in extra)])
@@ -95,7 +94,7 @@ def _phase(run: dict[str, Any], start: str | None, end: str) -> float | None:
 
 def render_cold(section: dict[str, Any]) -> list[str]:
     """The cold launch per phase, polytrain with and without pre-imports, against torchrun."""
-    keys = ["warm/polytrain-ddp", "warm/polytrain-ddp-preload"]
+    keys = ["warm/polytrain-ddp", "warm/polytrain-ddp-no-preload"]
     present = [k for k in keys if k in section and _runs(section[k])]
     native = _runs(section.get("warm/native-ddp", {}))
     if not present or not native:

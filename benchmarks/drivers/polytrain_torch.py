@@ -8,7 +8,7 @@ creators and wrapping: :func:`phase_marks`), then ``train``. The workers'
 zero_grad, backward, step, ``loss.item()``) of every step.
 
 Usage: python benchmarks/drivers/polytrain_torch.py --backend ddp --spec JSON --result-dir DIR
-       [--preload torch,torch.distributed,torch._dynamo]
+       [--preload none|torch,torch.distributed,torch._dynamo]
 """
 
 from __future__ import annotations
@@ -103,12 +103,16 @@ def main() -> None:
     parser.add_argument("--backend-config", default="null")
     parser.add_argument("--spec", required=True)
     parser.add_argument("--result-dir", required=True)
-    parser.add_argument("--preload", default="", help="modules new workers pre-import")
+    parser.add_argument(
+        "--preload",
+        default="",
+        help="modules new workers pre-import (none: none; default: the backend's)",
+    )
     args = parser.parse_args()
     if args.preload:
         from polytrain.launchers import pool
 
-        pool.configure(preload=args.preload.split(","))
+        pool.configure(preload=[] if args.preload == "none" else args.preload.split(","))
     spec = workload.WorkloadSpec.from_json(args.spec)
     marks = {"script_start": _START, "imported": time.time()}
     from polytrain.launchers.connect import ensure_ray

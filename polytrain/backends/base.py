@@ -80,6 +80,10 @@ class Backend:
 
     name: ClassVar[str] = ""
     framework: ClassVar[str] = "torch"  # "torch" | "tensorflow"
+    #: What a new worker imports in the background as soon as it starts, while the
+    #: driver places the other workers and sets up (the pool's ``preload`` setting
+    #: overrides it). Torch backends add their own library to this.
+    preload_modules: ClassVar[tuple[str, ...]] = ("torch", "torch.distributed")
     config_cls: ClassVar[type[BackendConfig]] = BackendConfig
     rendezvous_cls: ClassVar[type[Rendezvous]] = Rendezvous
     strategy_cls: ClassVar[type[Strategy]] = TorchStrategy

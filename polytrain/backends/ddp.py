@@ -206,6 +206,7 @@ class DDPBackend(Backend):
     """Data parallelism with ``DistributedDataParallel`` (gloo on CPU, nccl on GPU)."""
 
     name = "ddp"
+    preload_modules = ("torch", "torch.distributed", "torch._dynamo")  # DDP() imports it
     framework = "torch"
     config_cls = DDPConfig
     rendezvous_cls = TorchDistributedRendezvous

@@ -257,6 +257,7 @@ class DeepSpeedBackend(Backend):
     """
 
     name = "deepspeed"
+    preload_modules = ("torch", "torch.distributed", "deepspeed")
     framework = "torch"
     config_cls = DeepSpeedConfig
     rendezvous_cls = DeepSpeedRendezvous

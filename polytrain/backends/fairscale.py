@@ -308,6 +308,7 @@ class FairscaleBackend(Backend):
     """fairscale's OSS / ShardedDataParallel (CPU and GPU) or FullyShardedDataParallel (GPU)."""
 
     name = "fairscale"
+    preload_modules = ("torch", "torch.distributed", "fairscale")
     framework = "torch"
     config_cls = FairscaleConfig
     rendezvous_cls = TorchDistributedRendezvous

@@ -366,7 +366,7 @@ class FSDPBackend(Backend):
     """PyTorch FSDP: ``fully_shard`` (FSDP2, default) or ``FullyShardedDataParallel`` (gloo / nccl)."""
 
     name = "fsdp"
-    framework = "torch"
+    preload_modules = ("torch", "torch.distributed", "torch.distributed.fsdp")
     config_cls = FSDPConfig
     rendezvous_cls = TorchDistributedRendezvous
     strategy_cls = FSDPStrategy

@@ -121,6 +121,7 @@ class HorovodBackend(Backend):
     """
 
     name = "horovod"
+    preload_modules = ("torch", "torch.distributed", "horovod.torch")
     framework = "torch"
     config_cls = HorovodConfig
     rendezvous_cls = HorovodRendezvous

@@ -122,6 +122,7 @@ class MultiWorkerMirroredBackend(Backend):
 
     name = "mwms"
     framework = "tensorflow"
+    preload_modules = ()  # TensorFlow is imported by the first task, once TF_CONFIG is set
     config_cls = MWMSConfig
     rendezvous_cls = TFConfigRendezvous
     strategy_cls = MWMSStrategy

@@ -6,6 +6,8 @@ the same way. Ray is imported only for a Ray group: local mode never touches it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from polytrain.launchers.autoscaler import START_TIMEOUT_S
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.local import LocalWorkerGroup
@@ -16,6 +18,7 @@ def make_group(
     scaling: ScalingConfig,
     env_vars: dict[str, str] | None = None,
     num_workers: int | None = None,
+    preload: Sequence[str] = (),
 ) -> WorkerGroup:
     """A worker group for ``scaling``, not started yet (the caller calls ``group.start()``).
 
@@ -29,6 +32,9 @@ def make_group(
         env_vars: environment every worker starts with.
         num_workers: the group size when it differs from ``scaling.num_workers``
             (a shrunk elastic group).
+        preload: modules new workers import in the background as soon as they start
+            (the backend's ``preload_modules``), unless the pool's ``preload``
+            setting names others.
 
     Raises:
         ConnectionError: the Ray cluster at ``scaling.address`` cannot be reached.
@@ -43,6 +49,7 @@ def make_group(
     )
     ensure_ray(scaling.address, timeout_s=connect_timeout)
     from polytrain.compat import quiet
+    from polytrain.launchers.pool_settings import get_settings
 
     # The workers are as quiet (or verbose) as the driver from their first import on.
     env_vars = {**quiet.worker_env(), **(env_vars or {})}
@@ -54,6 +61,7 @@ def make_group(
         placement_strategy=scaling.placement_strategy,
         start_timeout_s=scaling.start_timeout_s,
         env_vars=env_vars,
+        preload=preload if get_settings().preload is None else get_settings().preload,
     )
 
 

@@ -46,8 +46,9 @@ class PoolSettings:
         reuse_timeout_s: how long a new group waits for a pooled group's reset before
             it starts fresh actors instead.
         preload: modules every new worker imports in the background as soon as it
-            starts, unless its group names its own (e.g. ``("torch", "torch._dynamo")``:
-            torch, and what DDP's first construction imports); empty: none.
+            starts (e.g. ``("torch", "torch._dynamo")``: torch, and what DDP's first
+            construction imports); None (default): the backend's own
+            (:attr:`polytrain.backends.base.Backend.preload_modules`); empty: none.
     """
 
     enabled: bool = True
@@ -55,17 +56,19 @@ class PoolSettings:
     idle_timeout_s: float = 60.0
     release_on_demand: bool = True
     reuse_timeout_s: float = 30.0
-    preload: tuple[str, ...] = ()
+    preload: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.preload, (list, tuple)) or not all(
-            isinstance(m, str) and m for m in self.preload
-        ):
-            raise ConfigTypeError(
-                f"pool preload must be a sequence of module names, e.g. ('torch', "
-                f"'torch._dynamo'); got {self.preload!r}."
-            )
-        object.__setattr__(self, "preload", tuple(self.preload))
+        if self.preload is not None:
+            if not isinstance(self.preload, (list, tuple)) or not all(
+                isinstance(m, str) and m for m in self.preload
+            ):
+                raise ConfigTypeError(
+                    f"pool preload must be a sequence of module names, e.g. ('torch', "
+                    f"'torch._dynamo'), () for none or None for the backend's; got "
+                    f"{self.preload!r}."
+                )
+            object.__setattr__(self, "preload", tuple(self.preload))
         for name in ("enabled", "release_on_demand"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigTypeError(
@@ -92,8 +95,10 @@ def _env_settings() -> PoolSettings:
                 f"{var}={text!r} is not a number; set it to a {cast.__name__} "
                 f"(e.g. {var}={PoolSettings.__dataclass_fields__[name].default}) or unset it."
             ) from None
-    preload = os.environ.get(ENV_PRELOAD)
-    if preload:
+    preload = os.environ.get(ENV_PRELOAD, "").strip()
+    if preload.lower() in ("none", "off", "0"):
+        values["preload"] = ()
+    elif preload:
         values["preload"] = tuple(m.strip() for m in preload.split(",") if m.strip())
     return PoolSettings(**values)
 

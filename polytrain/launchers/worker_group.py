@@ -100,7 +100,7 @@ class RayWorkerGroup(GroupCalls, base.WorkerGroup):
         self.placement_strategy = placement_strategy
         self.start_timeout_s = start_timeout_s
         self.env_vars = dict(env_vars or {})
-        self.preload = tuple(pool.get_settings().preload if preload is None else preload)
+        self.preload = tuple((pool.get_settings().preload or ()) if preload is None else preload)
         self.actors: list[Any] = []
         self.metadata: list[WorkerMetadata] = []
         self.rank_infos: list[RankInfo] = []
@@ -131,6 +131,7 @@ class RayWorkerGroup(GroupCalls, base.WorkerGroup):
         """
         self.timings = {"start": time.time()}
         self._unhealthy = False
+        self.resized_from = None
         self.reused = self._start_warm()
         if not self.reused:
             self._start_cold()

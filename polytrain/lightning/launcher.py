@@ -82,7 +82,11 @@ class RayLauncher(_Launcher):
         # Actors may run in another directory (or on another node): ship absolute paths.
         _absolutize_paths(trainer)
         rendezvous = strategy.backend.make_rendezvous()
-        group = make_group(strategy.scaling, env_vars=_worker_env_vars(rendezvous))
+        group = make_group(
+            strategy.scaling,
+            env_vars=_worker_env_vars(rendezvous),
+            preload=strategy.backend.preload_modules,
+        )
         group.start()
         self._group = group
         tune_queue = None

@@ -235,7 +235,10 @@ class BaseTrainer(CheckpointDirMixin, StateMixin, abc.ABC):
         """Start a worker group of ``_group_size``, connect it and set up every worker."""
         rendezvous = self.backend.make_rendezvous()
         group = make_group(
-            self.scaling, env_vars=rendezvous.worker_env_vars(), num_workers=self._group_size
+            self.scaling,
+            env_vars=rendezvous.worker_env_vars(),
+            num_workers=self._group_size,
+            preload=self.backend.preload_modules,
         )
         try:
             group.start()

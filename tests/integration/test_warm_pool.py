@@ -345,3 +345,24 @@ def _wait_until(condition, timeout_s: float = 20.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.1)
+
+
+# --------------------------------------------------------------- pre-imports
+def _pre_imported() -> list[str]:
+    from polytrain.launchers.worker import STARTUP
+
+    return sorted(k.removeprefix("import:") for k in STARTUP if k.startswith("import:"))
+
+
+def test_new_workers_pre_import_the_backends_modules(ray_start_4_cpus):
+    trainer = _trainer(num_workers=1, backend="ddp")  # the pool is empty: a new worker
+    assert not trainer._group.reused
+    assert trainer.apply_all_workers(_pre_imported) == [
+        ["torch", "torch._dynamo", "torch.distributed"]
+    ]
+    trainer.shutdown()
+    pool.clear()
+    pool.configure(preload=())  # the setting overrides the backend's modules
+    plain = _trainer(num_workers=1, backend="ddp")
+    assert plain.apply_all_workers(_pre_imported) == [[]]
+    plain.shutdown()

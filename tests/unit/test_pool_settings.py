@@ -23,7 +23,7 @@ def default_settings():
 def test_defaults_bound_the_pool():
     settings = pool.get_settings()
     assert settings.enabled and settings.max_idle > 0 and settings.idle_timeout_s > 0
-    assert settings.preload == ()
+    assert settings.preload is None  # each backend's own modules
 
 
 def test_configure_changes_only_what_it_is_given():
@@ -56,6 +56,29 @@ def test_environment_sets_bounds_and_switches_off(monkeypatch):
     assert pool.is_enabled()
     monkeypatch.setenv(pool.ENV_SWITCH, "0")
     assert not pool.is_enabled()
+
+
+@pytest.mark.parametrize("value", ["none", "off", "0"])
+def test_environment_turns_pre_imports_off(monkeypatch, value):
+    monkeypatch.setenv("POLYTRAIN_PRELOAD", value)
+    pool.reset_settings()
+    assert pool.get_settings().preload == ()
+
+
+def test_each_torch_backend_pre_imports_its_own_library():
+    from polytrain.backends.registry import get_backend
+
+    expected = {
+        "ddp": "torch._dynamo",
+        "horovod": "horovod.torch",
+        "fairscale": "fairscale",
+        "fsdp": "torch.distributed.fsdp",
+        "deepspeed": "deepspeed",
+    }
+    for name, library in expected.items():
+        modules = get_backend(name).preload_modules
+        assert modules[:2] == ("torch", "torch.distributed") and library in modules, name
+    assert get_backend("mwms").preload_modules == ()  # imported once TF_CONFIG is set
 
 
 def test_bad_environment_value_is_named(monkeypatch):
