@@ -8,7 +8,8 @@ PYTEST_ARGS ?=
 setup:            ## install polytrain and every backend into .venv (idempotent)
 	bash scripts/setup.sh
 
-test: setup       ## install everything, then run the whole test suite
+test: setup       ## install everything (a single-node Slurm too, where root), then run the whole test suite
+	bash scripts/install_slurm.sh
 	$(PY) -m ruff check polytrain tests examples benchmarks
 	$(PY) -m pytest $(PYTEST_ARGS)
 

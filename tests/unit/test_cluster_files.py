@@ -360,6 +360,10 @@ def _fake_slurm(tmp_path: Path) -> tuple[Path, Path]:
         + f'for _ in $(seq 200); do [ "$(cat {tmp_path}/blocking.pids 2>/dev/null | wc -l)" -ge "$3" ] && exit 0; sleep 0.1; done; exit 1\n',
     )
     _shim(venv / "polytrain", record + 'exit "${FAKE_POLYTRAIN_RC:-0}"\n')
+    # scancel --signal=TERM JOB: every step's task gets SIGTERM (here: the blocking fakes).
+    _shim(slurm / "scancel", record + f"kill $(cat {tmp_path}/blocking.pids) 2>/dev/null\nexit 0\n")
+    # The clean-up's search for this job's leftover Ray processes: none left.
+    _shim(slurm / "pkill", record + "exit 1\n")
     return log, slurm
 
 
@@ -374,6 +378,8 @@ def _run_sbatch(tmp_path: Path, **env) -> tuple[subprocess.CompletedProcess, lis
         "SLURM_CPUS_PER_TASK": "4",
         "SLURM_GPUS_ON_NODE": "1",
         "RAY_PORT": "6390",
+        "RAY_TEMP_DIR": "/tmp/ray-polytrain-77",
+        "SLURM_JOB_ID": "77",
         **env,
     }
     full_env.pop("RAY_AUTH_TOKEN", None)
@@ -403,15 +409,17 @@ def test_sbatch_starts_ray_across_the_allocation_and_trains(tmp_path):
     assert commands[1] == "srun --nodes=1 --ntasks=1 -w node-a hostname -I"
     head = commands.index(
         "ray start --head --node-ip-address=10.9.8.7 --port=6390 --dashboard-port=8265 "
-        "--num-cpus=4 --num-gpus=1 --object-store-memory=10 --block"
+        "--num-cpus=4 --num-gpus=1 --temp-dir=/tmp/ray-polytrain-77 --object-store-memory=10 "
+        "--block"
     )
     assert "node=node-a" in where[head]
     workers = [i for i, c in enumerate(commands) if c.startswith(f"ray start --address={address} ")]
     # Each node reports its own allocation (they start in parallel: any order).
     started = {where[i].split()[2]: commands[i].split()[3:] for i in workers}
+    own_dir = ["--temp-dir=/tmp/ray-polytrain-77", "--object-store-memory=10", "--block"]
     assert started == {
-        "node=node-b": ["--num-cpus=4", "--num-gpus=2", "--object-store-memory=10", "--block"],
-        "node=node-c": ["--num-cpus=4", "--num-gpus=0", "--object-store-memory=10", "--block"],
+        "node=node-b": ["--num-cpus=4", "--num-gpus=2", *own_dir],
+        "node=node-c": ["--num-cpus=4", "--num-gpus=0", *own_dir],
     }
     waits = [c for c in commands if c.startswith("python ")]
     assert waits == [f"python - {address} 1 300", f"python - {address} 3 300"]
@@ -424,7 +432,10 @@ def test_sbatch_starts_ray_across_the_allocation_and_trains(tmp_path):
         f"polytrain train -c examples/configs/ddp.yaml --address {address} num_workers=6 epochs=2"
     )
     assert f"pp={REPO_ROOT}" in where[train] and train > max(workers)
-    assert commands[-1] == "ray stop" and train < len(commands) - 1
+    # The steps are stopped through Slurm with SIGTERM; only this job's Ray is looked
+    # for afterwards (by its own directory), never a bare `ray stop`.
+    assert commands[-2:] == ["scancel --signal=TERM 77", "pkill -TERM -f -- /tmp/ray-polytrain-77/"]
+    assert "ray stop" not in commands and train < len(commands) - 1
     # One token for the job, the same on every node and the driver.
     tokens = {re.search(r"auth=(\S+)", w)[1] for w in where[head:]}
     assert len(tokens) == 1 and tokens.pop().startswith("token:64:")
@@ -440,4 +451,4 @@ def test_sbatch_returns_the_training_status_and_still_stops_ray(tmp_path):
     assert done.returncode == 3
     commands = [c.split(" | ")[0] for c in calls]
     assert any(c.startswith("polytrain train -c examples/configs/horovod.yaml ") for c in commands)
-    assert commands[-1] == "ray stop"
+    assert commands[-1] == "pkill -TERM -f -- /tmp/ray-polytrain-77/"
