@@ -33,8 +33,8 @@ def make_group(
         num_workers: the group size when it differs from ``scaling.num_workers``
             (a shrunk elastic group).
         preload: modules new workers import in the background as soon as they start
-            (the backend's ``preload_modules``), unless the pool's ``preload``
-            setting names others.
+            (the backend's ``preload_modules``); see
+            :class:`~polytrain.launchers.worker_group.RayWorkerGroup`.
 
     Raises:
         ConnectionError: the Ray cluster at ``scaling.address`` cannot be reached.
@@ -49,7 +49,6 @@ def make_group(
     )
     ensure_ray(scaling.address, timeout_s=connect_timeout)
     from polytrain.compat import quiet
-    from polytrain.launchers.pool_settings import get_settings
 
     # The workers are as quiet (or verbose) as the driver from their first import on.
     env_vars = {**quiet.worker_env(), **(env_vars or {})}
@@ -61,7 +60,7 @@ def make_group(
         placement_strategy=scaling.placement_strategy,
         start_timeout_s=scaling.start_timeout_s,
         env_vars=env_vars,
-        preload=preload if get_settings().preload is None else get_settings().preload,
+        preload=preload,
     )
 
 

@@ -62,7 +62,7 @@ class RayWorkerGroup(GroupCalls, base.WorkerGroup):
         env_vars: environment every worker starts with.
         preload: modules new workers import in the background as soon as they start
             (torch, the backend's libraries), while the driver goes on setting up;
-            None: the pool settings' ``preload``.
+            the pool's ``preload`` setting, where set, replaces them.
 
     Workers come from the warm pool (:mod:`polytrain.launchers.pool`) when it holds
     a group of this shape (:attr:`reused`) and go back to it on a healthy
@@ -100,7 +100,8 @@ class RayWorkerGroup(GroupCalls, base.WorkerGroup):
         self.placement_strategy = placement_strategy
         self.start_timeout_s = start_timeout_s
         self.env_vars = dict(env_vars or {})
-        self.preload = tuple((pool.get_settings().preload or ()) if preload is None else preload)
+        configured = pool.get_settings().preload  # set by the user: it wins over the backend's
+        self.preload = tuple(configured if configured is not None else (preload or ()))
         self.actors: list[Any] = []
         self.metadata: list[WorkerMetadata] = []
         self.rank_infos: list[RankInfo] = []
