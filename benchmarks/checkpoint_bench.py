@@ -122,8 +122,8 @@ def measured(fn, operator):
 
 
 def _save(trainer, url: str, asynchronous: bool) -> tuple[float, list[dict]]:
-    from polytrain.trainer_api.checkpoint_io import SaveRequest
-    from polytrain.trainer_api.checkpoint_torch import save_operator
+    from polytrain.checkpoint.directory import SaveRequest
+    from polytrain.trainer_api.torch.checkpoint import save_operator
 
     request = SaveRequest(
         url=url,
@@ -138,7 +138,7 @@ def _save(trainer, url: str, asynchronous: bool) -> tuple[float, list[dict]]:
 
 
 def _load_s(backend: str, num_workers: int, url: str) -> float:
-    from polytrain.trainer_api.checkpoint_torch import load_operator
+    from polytrain.trainer_api.torch.checkpoint import load_operator
 
     trainer = make_trainer(backend, num_workers)
     try:
@@ -150,7 +150,7 @@ def _load_s(backend: str, num_workers: int, url: str) -> float:
 
 
 def _consolidated(trainer, path: str) -> dict:
-    from polytrain.trainer_api import checkpoint as ckpt
+    from polytrain.checkpoint import single_file as ckpt
 
     start = time.perf_counter()
     state = trainer.state_dict()
@@ -164,7 +164,7 @@ REPS = 3
 
 def _saves(trainer, folder: str) -> dict:
     """REPS synchronous saves, then 1 + REPS asynchronous ones (the first allocates the staging)."""
-    from polytrain.trainer_api import checkpoint_worker
+    from polytrain.trainer_api.checkpointing import worker_writer as checkpoint_worker
 
     sync_s, async_s, background_s, snapshot_s = [], [], [], []
     sync = started = None
@@ -222,7 +222,7 @@ def run_save(backend: str) -> dict:
 def run_stall(backend: str, steps: int, every: int) -> dict:
     """Time of ``steps`` training steps with no, synchronous and asynchronous checkpoints
     every ``every`` steps; the modes interleaved REPS times, medians compared."""
-    from polytrain.trainer_api import checkpoint_worker
+    from polytrain.trainer_api.checkpointing import worker_writer as checkpoint_worker
 
     _init_ray()
     folder = tempfile.mkdtemp(prefix="ckpt-bench-")

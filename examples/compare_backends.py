@@ -57,7 +57,7 @@ def optimizer_creator(model: torch.nn.Module, config: dict) -> torch.optim.Optim
 def main() -> None:
     """Compare the backends and print the table."""
     from polytrain import available_backends
-    from polytrain.compare import compare_backends, default_run_dir, format_table
+    from polytrain.compare.runner import compare_backends, default_run_dir, format_table
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(

@@ -12,17 +12,17 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "TorchTrainer": "polytrain.trainer_api.torch_trainer",
-    "TFTrainer": "polytrain.trainer_api.tf_trainer",
-    "load_config": "polytrain.trainer_api.run_config",
-    "TrainingOperator": "polytrain.trainer_api.operator",
-    "ScalingConfig": "polytrain.trainer_api.config",
-    "FailureConfig": "polytrain.trainer_api.config",
-    "CheckpointConfig": "polytrain.trainer_api.config",
+    "TorchTrainer": "polytrain.trainer_api.torch.trainer",
+    "TFTrainer": "polytrain.trainer_api.tensorflow.trainer",
+    "load_config": "polytrain.trainer_api.options.run_config",
+    "TrainingOperator": "polytrain.trainer_api.torch.operator",
+    "ScalingConfig": "polytrain.trainer_api.options.configs",
+    "FailureConfig": "polytrain.trainer_api.options.configs",
+    "CheckpointConfig": "polytrain.trainer_api.options.configs",
     "available_backends": "polytrain.backends.registry",
     "describe_backends": "polytrain.backends.registry",
     "get_backend": "polytrain.backends.registry",
-    "load_checkpoint": "polytrain.trainer_api.checkpoint",
+    "load_checkpoint": "polytrain.checkpoint.single_file",
 }
 
 #: Submodules reachable as attributes without an explicit import (``polytrain.pool.configure``).
@@ -32,10 +32,10 @@ __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 if TYPE_CHECKING:  # pragma: no cover
     from polytrain.backends.registry import available_backends, describe_backends, get_backend
-    from polytrain.trainer_api.checkpoint import load_checkpoint
-    from polytrain.trainer_api.config import CheckpointConfig, FailureConfig, ScalingConfig
-    from polytrain.trainer_api.operator import TrainingOperator
-    from polytrain.trainer_api.torch_trainer import TorchTrainer
+    from polytrain.checkpoint.single_file import load_checkpoint
+    from polytrain.trainer_api.options.configs import CheckpointConfig, FailureConfig, ScalingConfig
+    from polytrain.trainer_api.torch.operator import TrainingOperator
+    from polytrain.trainer_api.torch.trainer import TorchTrainer
 
 
 def __getattr__(name: str) -> Any:

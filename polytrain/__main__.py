@@ -2,7 +2,7 @@
 
 import sys
 
-from polytrain.cli import main
+from polytrain.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

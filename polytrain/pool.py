@@ -2,9 +2,9 @@
 
 Workers of a trainer, Lightning call or comparison run that finished cleanly
 wait here, reset and with torch and the backend imported, for the next group of
-the same shape. The code lives in :mod:`polytrain.launchers.pool` (the settings
-in :mod:`polytrain.launchers.pool_settings`, the reset in
-:mod:`polytrain.launchers.worker_reset`). Importing this module does not import Ray.
+the same shape. The code lives in :mod:`polytrain.launchers.pool.warm_pool` (the settings
+in :mod:`polytrain.launchers.pool.settings`, the reset in
+:mod:`polytrain.launchers.pool.reset`). Importing this module does not import Ray.
 
 Example::
 
@@ -18,7 +18,9 @@ Example::
 
 from __future__ import annotations
 
-from polytrain.launchers.pool import (
+from polytrain.launchers.pool.reset import register_reset_hook
+from polytrain.launchers.pool.settings import ENV_PRELOAD
+from polytrain.launchers.pool.warm_pool import (
     ENV_IDLE_TIMEOUT,
     ENV_MAX_IDLE,
     ENV_SWITCH,
@@ -31,8 +33,6 @@ from polytrain.launchers.pool import (
     reset_settings,
     stats,
 )
-from polytrain.launchers.pool_settings import ENV_PRELOAD
-from polytrain.launchers.worker_reset import register_reset_hook
 
 __all__ = [
     "ENV_IDLE_TIMEOUT",

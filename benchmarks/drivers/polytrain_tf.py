@@ -38,7 +38,7 @@ def data_creator(config: dict[str, Any]) -> Any:
 
 
 def _install_step_hook() -> None:
-    from polytrain.trainer_api import tf_worker
+    from polytrain.trainer_api.tensorflow import worker as tf_worker
 
     original = tf_worker.report_progress
     last = [time.perf_counter()]

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from benchmarks import workload  # noqa: E402
 from polytrain import TorchTrainer  # noqa: E402
 from polytrain.launchers.worker import STARTUP  # noqa: E402
-from polytrain.trainer_api.operator import TrainingOperator  # noqa: E402
+from polytrain.trainer_api.torch.operator import TrainingOperator  # noqa: E402
 
 
 class TimedOperator(TrainingOperator):
@@ -110,12 +110,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.preload:
-        from polytrain.launchers import pool
+        from polytrain.launchers.pool import warm_pool as pool
 
         pool.configure(preload=[] if args.preload == "none" else args.preload.split(","))
     spec = workload.WorkloadSpec.from_json(args.spec)
     marks = {"script_start": _START, "imported": time.time()}
-    from polytrain.launchers.connect import ensure_ray
+    from polytrain.launchers.cluster.connect import ensure_ray
 
     ensure_ray()
     marks["ray_init_done"] = time.time()

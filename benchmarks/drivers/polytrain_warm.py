@@ -10,7 +10,7 @@ and writes its numbers to ``RESULT_DIR/driver.json`` under ``"metrics"``:
   first step.
 * ``lightning``: ``pl.Trainer.fit`` then ``trainer.test`` on ``RayStrategy``; each
   call's overhead from the call to its first batch on rank 0.
-* ``compare``: :func:`polytrain.compare.compare_backends` over the torch
+* ``compare``: :func:`polytrain.compare.runner.compare_backends` over the torch
   backends; the wall time minus the backends' training time, per backend.
 * ``tune``: three sequential trials of ``TorchTrainer.as_trainable``; per trial,
   the trial's first iteration minus its training epoch (the trial's start-up),
@@ -77,7 +77,7 @@ def _start_and_step(
 
 def scenario_second(args: argparse.Namespace, spec: workload.WorkloadSpec) -> dict[str, Any]:
     """A cold trainer, then two more of the same shape in the same process."""
-    from polytrain.launchers.connect import ensure_ray
+    from polytrain.launchers.cluster.connect import ensure_ray
 
     ensure_ray()
     cold = _start_and_step(args.backend, spec, "cold")
@@ -90,7 +90,7 @@ def scenario_second(args: argparse.Namespace, spec: workload.WorkloadSpec) -> di
 
 def scenario_resize(args: argparse.Namespace, spec: workload.WorkloadSpec) -> dict[str, Any]:
     """Another world size on warm workers: 1 cold worker, grown to 2, then 1 of those 2 again."""
-    from polytrain.launchers.connect import ensure_ray
+    from polytrain.launchers.cluster.connect import ensure_ray
 
     ensure_ray()
     cold = _start_and_step(args.backend, spec, "cold1", num_workers=1)
@@ -128,7 +128,7 @@ def scenario_lightning(args: argparse.Namespace, spec: workload.WorkloadSpec) ->
     import pytorch_lightning as pl
 
     from examples.lightning_mnist import DigitsClassifier, DigitsDataModule
-    from polytrain.launchers.connect import ensure_ray
+    from polytrain.launchers.cluster.connect import ensure_ray
     from polytrain.lightning import RayStrategy
 
     ensure_ray()
@@ -163,13 +163,13 @@ def scenario_compare(args: argparse.Namespace, spec: workload.WorkloadSpec) -> d
     """compare_backends over the installed torch backends: overhead per backend."""
     import torch
 
-    import polytrain.compare
+    import polytrain.compare.runner
     from polytrain.backends.registry import get_spec
-    from polytrain.compare import compare_backends
-    from polytrain.launchers.connect import ensure_ray
+    from polytrain.compare.runner import compare_backends
+    from polytrain.launchers.cluster.connect import ensure_ray
 
     report_s = []
-    write_results = polytrain.compare.write_results
+    write_results = polytrain.compare.runner.write_results
 
     def timed_write_results(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -178,7 +178,7 @@ def scenario_compare(args: argparse.Namespace, spec: workload.WorkloadSpec) -> d
         finally:
             report_s.append(time.perf_counter() - start)
 
-    polytrain.compare.write_results = timed_write_results  # the CSV/JSON/PNG report, timed
+    polytrain.compare.runner.write_results = timed_write_results  # the CSV/JSON/PNG report, timed
 
     ensure_ray()
     names = [b for b in TORCH_BACKENDS if get_spec(b).installed]

@@ -8,7 +8,7 @@ cases the shared backend test-suite runs it with. Entries point at
 framework; :func:`get_backend` imports the one module asked for. This is the
 only place that dispatches on a backend's name.
 
-A new backend is its own module (a :class:`~polytrain.backends.base.Backend`
+A new backend is its own module (a :class:`~polytrain.backends.core.backend.Backend`
 subclass binding a config, a rendezvous and a strategy) plus one
 :func:`register_backend` call below (plus its extra in ``setup.cfg``).
 """
@@ -20,7 +20,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from polytrain.backends.base import Backend, BackendConfig
+from polytrain.backends.core.backend import Backend, BackendConfig
 from polytrain.compat.imports import install_hint, module_available, register_install_hint
 from polytrain.errors import ConfigError, MissingDependencyError, UnknownBackendError
 
@@ -267,7 +267,7 @@ _HOROVOD_BUILD = (
 for _spec in (
     BackendSpec(
         "ddp",
-        "polytrain.backends.ddp:DDPBackend",
+        "polytrain.backends.ddp.backend:DDPBackend",
         "torch",
         "PyTorch DistributedDataParallel on torch.distributed (gloo on CPU, nccl on GPU)",
         aliases=("torch",),
@@ -277,7 +277,7 @@ for _spec in (
     ),
     BackendSpec(
         "horovod",
-        "polytrain.backends.horovod:HorovodBackend",
+        "polytrain.backends.horovod.backend:HorovodBackend",
         "torch",
         "Horovod ring-allreduce (gloo controller) with hvd.DistributedOptimizer",
         aliases=("hvd",),
@@ -288,7 +288,7 @@ for _spec in (
     ),
     BackendSpec(
         "fairscale",
-        "polytrain.backends.fairscale:FairscaleBackend",
+        "polytrain.backends.fairscale.backend:FairscaleBackend",
         "torch",
         "fairscale optimizer-state sharding (OSS) with ShardedDataParallel, or FSDP on GPU",
         aliases=("sharded", "fairscale_sharded"),
@@ -301,7 +301,7 @@ for _spec in (
     ),
     BackendSpec(
         "fsdp",
-        "polytrain.backends.fsdp:FSDPBackend",
+        "polytrain.backends.fsdp.backend:FSDPBackend",
         "torch",
         "PyTorch FSDP: fully_shard (FSDP2, default) or FullyShardedDataParallel (version=1)",
         aliases=("torch_fsdp",),
@@ -310,7 +310,7 @@ for _spec in (
     ),
     BackendSpec(
         "deepspeed",
-        "polytrain.backends.deepspeed:DeepSpeedBackend",
+        "polytrain.backends.deepspeed.backend:DeepSpeedBackend",
         "torch",
         "DeepSpeed ZeRO stages 0-3 (gloo fallback on CPU)",
         aliases=("ds", "zero"),
@@ -324,7 +324,7 @@ for _spec in (
     ),
     BackendSpec(
         "mwms",
-        "polytrain.backends.tensorflow:MultiWorkerMirroredBackend",
+        "polytrain.backends.tensorflow.backend:MultiWorkerMirroredBackend",
         "tensorflow",
         "TensorFlow MultiWorkerMirroredStrategy configured through TF_CONFIG (tf_keras)",
         aliases=("tensorflow", "tf", "multi_worker_mirrored"),

@@ -23,7 +23,7 @@ from types import ModuleType
 from typing import Any
 
 from polytrain.compat.imports import require
-from polytrain.errors import CreatorError
+from polytrain.errors import CheckpointError, CreatorError
 
 #: The environment variable that makes ``tf.keras`` resolve to ``tf_keras``.
 LEGACY_KERAS_VAR = "TF_USE_LEGACY_KERAS"
@@ -117,3 +117,48 @@ def legacy_keras_env() -> Iterator[None]:
             os.environ.pop(LEGACY_KERAS_VAR, None)
         else:
             os.environ[LEGACY_KERAS_VAR] = previous
+
+
+# ------------------------------------------------------- optimizer variables
+def _optimizer_variables(optimizer: Any) -> list[Any]:
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+def optimizer_weights(optimizer: Any) -> list[Any] | None:
+    """The optimizer's variables (iterations and slots) as numpy arrays; None if not built."""
+    variables = _optimizer_variables(optimizer)
+    if not variables:
+        return None
+    return [v.numpy().copy() for v in variables]
+
+
+def set_optimizer_weights(optimizer: Any, model: Any, values: list[Any] | None) -> None:
+    """Build the optimizer's slots for ``model`` if needed and assign ``values`` to them.
+
+    ``None`` keeps a fresh optimizer state (the weights still load).
+
+    Raises:
+        CheckpointError: ``values`` do not match the optimizer's variables in number or shape.
+    """
+    if values is None:
+        return
+    if not _optimizer_variables(optimizer) or len(_optimizer_variables(optimizer)) < len(values):
+        if hasattr(optimizer, "build"):
+            optimizer.build(model.trainable_variables)
+        else:  # legacy optimizers create their slots on the first apply
+            optimizer._create_all_weights(model.trainable_variables)
+    variables = _optimizer_variables(optimizer)
+    if len(variables) != len(values):
+        raise CheckpointError(
+            f"The checkpoint has {len(values)} optimizer variables but "
+            f"{type(optimizer).__name__} has {len(variables)}: the optimizer in model_creator "
+            f"differs from the one that wrote the checkpoint."
+        )
+    for variable, value in zip(variables, values, strict=True):
+        if tuple(variable.shape) != tuple(value.shape):
+            raise CheckpointError(
+                f"Optimizer variable {variable.name} has shape {tuple(variable.shape)}; the "
+                f"checkpoint's value has shape {tuple(value.shape)}."
+            )
+        variable.assign(value)

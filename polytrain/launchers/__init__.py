@@ -5,9 +5,9 @@
 - :mod:`~polytrain.launchers.local`: :class:`LocalWorkerGroup` (the driver process);
 - :mod:`~polytrain.launchers.factory`: :func:`make_group`, the one way to build a group;
 - :mod:`~polytrain.launchers.scaling`: :class:`ScalingConfig`;
-- :mod:`~polytrain.launchers.connect`: connecting to Ray;
+- :mod:`~polytrain.launchers.cluster.connect`: connecting to Ray;
 - :mod:`~polytrain.launchers.ranks`, :mod:`~polytrain.launchers.worker`,
-  :mod:`~polytrain.launchers.jobs`: ranks, the worker process, Ray Jobs.
+  :mod:`~polytrain.launchers.cluster.jobs`: ranks, the worker process, Ray Jobs.
 
 Importing this package does not import Ray.
 """

@@ -115,7 +115,7 @@ class WorkerGroup(abc.ABC):
         """Release the workers. Safe to call twice.
 
         A Ray group whose workers are healthy hands them to the warm pool
-        (:mod:`polytrain.launchers.pool`), which keeps them ready for the next group
+        (:mod:`polytrain.launchers.pool.warm_pool`), which keeps them ready for the next group
         of the same shape and stops them after its idle timeout; otherwise, and
         whenever the pool is off, the workers are stopped and their resources freed.
         """

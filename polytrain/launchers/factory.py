@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from polytrain.launchers.autoscaler import START_TIMEOUT_S
 from polytrain.launchers.base import WorkerGroup
+from polytrain.launchers.cluster.autoscaler import START_TIMEOUT_S
 from polytrain.launchers.local import LocalWorkerGroup
 from polytrain.launchers.scaling import ScalingConfig
 
@@ -24,7 +24,7 @@ def make_group(
 
     Local mode (``num_workers=0``) gives a :class:`LocalWorkerGroup` in this
     process. Otherwise this connects to Ray (``scaling.address``; see
-    :func:`~polytrain.launchers.connect.ensure_ray`) and gives a
+    :func:`~polytrain.launchers.cluster.connect.ensure_ray`) and gives a
     :class:`~polytrain.launchers.worker_group.RayWorkerGroup`.
 
     Args:
@@ -41,7 +41,7 @@ def make_group(
     """
     if scaling.local_mode:
         return LocalWorkerGroup(env_vars=env_vars)
-    from polytrain.launchers.connect import ensure_ray
+    from polytrain.launchers.cluster.connect import ensure_ray
     from polytrain.launchers.worker_group import RayWorkerGroup
 
     connect_timeout = (
@@ -71,6 +71,6 @@ def placeable_workers(scaling: ScalingConfig) -> int:
     """
     if scaling.local_mode:
         return 0
-    from polytrain.launchers.connect import placeable_bundles
+    from polytrain.launchers.cluster.connect import placeable_bundles
 
     return placeable_bundles(scaling.worker_bundle())

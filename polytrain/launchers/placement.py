@@ -16,8 +16,8 @@ from polytrain.errors import (
     WorkerError,
     worker_error_like,
 )
-from polytrain.launchers import autoscaler
-from polytrain.launchers.connect import format_resources
+from polytrain.launchers.cluster import autoscaler
+from polytrain.launchers.cluster.connect import format_resources
 from polytrain.launchers.ranks import WorkerMetadata
 
 __all__ = [

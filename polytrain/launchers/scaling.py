@@ -2,7 +2,7 @@
 
 It lives with the launchers (which build worker groups from it) so that
 ``launchers/`` needs nothing from ``trainer_api/``;
-:mod:`polytrain.trainer_api.config` re-exports it next to the other option groups.
+:mod:`polytrain.trainer_api.options.configs` re-exports it next to the other option groups.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from polytrain.compat import quiet
-from polytrain.launchers import worker_reset
+from polytrain.launchers.pool import reset as worker_reset
 from polytrain.launchers.ranks import WorkerMetadata
 
 logger = logging.getLogger(__name__)
@@ -166,11 +166,11 @@ class Worker:
         _training_thread = threading.get_ident()
         return fn(*args, **kwargs)
 
-    # Warm pool: release and reuse (see polytrain.launchers.pool).
+    # Warm pool: release and reuse (see polytrain.launchers.pool.warm_pool).
     def reset(self) -> str | None:
         """Return this process to its start state for the next group; None when reusable.
 
-        See :mod:`polytrain.launchers.worker_reset` for what is undone. Returns why the
+        See :mod:`polytrain.launchers.pool.reset` for what is undone. Returns why the
         process cannot be reused instead (the pool then stops it).
         """
         self._wait_for_preload()

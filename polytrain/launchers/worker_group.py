@@ -2,7 +2,7 @@
 
 :class:`RayWorkerGroup` implements :class:`polytrain.launchers.base.WorkerGroup`.
 The name ``WorkerGroup`` in this module stays an alias of it, and
-:func:`ensure_ray` is re-exported from :mod:`polytrain.launchers.connect`, so
+:func:`ensure_ray` is re-exported from :mod:`polytrain.launchers.cluster.connect`, so
 imports written against the older layout keep working.
 """
 
@@ -21,8 +21,9 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from polytrain.errors import ConfigError, WorkerDiedError
-from polytrain.launchers import autoscaler, base, pool
-from polytrain.launchers.connect import ensure_ray
+from polytrain.launchers import base
+from polytrain.launchers.cluster import autoscaler
+from polytrain.launchers.cluster.connect import ensure_ray
 from polytrain.launchers.group_calls import MONITOR_GROUP, GroupCalls
 from polytrain.launchers.placement import (
     check_feasible,
@@ -30,6 +31,7 @@ from polytrain.launchers.placement import (
     trial_placement_group,
     wait_until_placed,
 )
+from polytrain.launchers.pool import warm_pool as pool
 from polytrain.launchers.ranks import (
     RankInfo,
     WorkerMetadata,
@@ -64,7 +66,7 @@ class RayWorkerGroup(GroupCalls, base.WorkerGroup):
             (torch, the backend's libraries), while the driver goes on setting up;
             the pool's ``preload`` setting, where set, replaces them.
 
-    Workers come from the warm pool (:mod:`polytrain.launchers.pool`) when it holds
+    Workers come from the warm pool (:mod:`polytrain.launchers.pool.warm_pool`) when it holds
     a group of this shape (:attr:`reused`) and go back to it on a healthy
     :meth:`shutdown`. A pooled group of another size serves too (PACK or SPREAD,
     own placement group; :attr:`resized_from` is its size): a smaller group uses

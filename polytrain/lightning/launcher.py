@@ -14,9 +14,9 @@ from lightning_fabric.utilities import move_data_to_device
 from pytorch_lightning.strategies.launchers.launcher import _Launcher
 from pytorch_lightning.trainer.states import TrainerFn, TrainerState
 
-from polytrain.backends.context import WorkerContext
-from polytrain.backends.rendezvous import Rendezvous
-from polytrain.backends.torch_distributed import start_process_group
+from polytrain.backends.core.context import WorkerContext
+from polytrain.backends.core.rendezvous import Rendezvous
+from polytrain.backends.core.torch_distributed import start_process_group
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.worker import WORKER_STATE
 from polytrain.lightning.tune import TUNE_QUEUE_KEY, TuneReportCallback, deliver_report

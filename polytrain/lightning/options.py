@@ -12,10 +12,10 @@ import difflib
 from collections.abc import Callable
 from typing import Any
 
-from polytrain.backends.base import Backend
+from polytrain.backends.core.backend import Backend
 from polytrain.errors import ConfigError, ConfigTypeError
 from polytrain.launchers.scaling import ScalingConfig
-from polytrain.trainer_api.config import merge_flat_options
+from polytrain.trainer_api.options.configs import merge_flat_options
 
 
 def resolve_scaling(
@@ -101,7 +101,7 @@ def with_ddp_kwargs(
     """
     if not ddp_kwargs:
         return backend
-    from polytrain.backends.ddp import check_ddp_kwargs, ddp_parameters
+    from polytrain.backends.ddp.config import check_ddp_kwargs, ddp_parameters
 
     for key in ddp_kwargs:
         close = difflib.get_close_matches(key, own, n=1)

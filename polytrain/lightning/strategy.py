@@ -26,9 +26,9 @@ from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
-from polytrain.backends.base import Backend
-from polytrain.backends.context import WorkerContext
-from polytrain.backends.ddp import ddp_options
+from polytrain.backends.core.backend import Backend
+from polytrain.backends.core.context import WorkerContext
+from polytrain.backends.ddp.config import ddp_options
 from polytrain.backends.registry import get_backend
 from polytrain.launchers.scaling import ScalingConfig
 from polytrain.lightning.collectives import TorchCollectives
@@ -89,7 +89,7 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
         **ddp_kwargs: keyword arguments of ``DistributedDataParallel`` (e.g.
             ``find_unused_parameters=True, bucket_cap_mb=50``), as ray_lightning took
             them; they go to the ``ddp`` backend's ``ddp_kwargs`` (see
-            :class:`~polytrain.backends.ddp.DDPConfig`), checked against DDP's signature.
+            :class:`~polytrain.backends.ddp.config.DDPConfig`), checked against DDP's signature.
 
     Raises:
         polytrain.errors.ConfigError: an option that is not allowed (a ``ValueError``).

@@ -1,8 +1,8 @@
 """The worker side of a RayStrategy: one actor's backend strategy, context and components.
 
 Inside every actor the Lightning strategy hands the LightningModule and its
-optimizers to the backend's :class:`~polytrain.backends.strategy.TorchStrategy`
-through the same :meth:`~polytrain.backends.strategy.TorchStrategy.setup`
+optimizers to the backend's :class:`~polytrain.backends.core.strategy.TorchStrategy`
+through the same :meth:`~polytrain.backends.core.strategy.TorchStrategy.setup`
 sequence the trainers use, and routes zeroing, backward, steps, gradient-sync
 skipping and the consolidated checkpoint state through it. Nothing here travels
 between processes: the driver's strategy holds no :class:`WorkerSide`.
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from polytrain.backends.base import Backend
-from polytrain.backends.context import Components, WorkerContext
-from polytrain.backends.strategy import TorchStrategy
+from polytrain.backends.core.backend import Backend
+from polytrain.backends.core.context import Components, WorkerContext
+from polytrain.backends.core.strategy import TorchStrategy
 
 
 class WorkerSide:
@@ -48,7 +48,7 @@ class WorkerSide:
 
         Args:
             backend: the strategy's backend (a torch backend).
-            template: the group's context (:meth:`~polytrain.backends.context.WorkerContext.from_scaling`).
+            template: the group's context (:meth:`~polytrain.backends.core.context.WorkerContext.from_scaling`).
             rank_info: this worker's :class:`~polytrain.launchers.ranks.RankInfo`.
             device_index: its CUDA device among those it sees (-1: none).
 

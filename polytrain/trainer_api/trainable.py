@@ -36,7 +36,7 @@ group and are owned by the trial's trainable actor, so they can outlive a
 trial only together with that actor. With ``tune.TuneConfig(reuse_actors=True)``
 Tune keeps the trainable actor and its placement group for the next trial of
 the same resources, and that trial's trainer takes the previous trial's workers
-from the actor's warm pool (:mod:`polytrain.launchers.pool`), reset, with torch
+from the actor's warm pool (:mod:`polytrain.launchers.pool.warm_pool`), reset, with torch
 and the backend imported: no new actors, no imports. Without it (Tune's default)
 every trial starts cold: Tune removes the placement group, and Ray kills the
 workers with it and with their owner.
@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 from polytrain.compat.imports import require
 from polytrain.errors import ConfigError
-from polytrain.trainer_api.config import ScalingConfig, coerce_config
+from polytrain.trainer_api.options.configs import ScalingConfig, coerce_config
 
 if TYPE_CHECKING:  # pragma: no cover
     from ray.tune import PlacementGroupFactory

@@ -3,9 +3,9 @@
 :class:`BaseTrainer` owns the driver's loop: start a worker group through the
 backend's rendezvous, run worker functions on it, and on a failure ask the
 policies (:mod:`polytrain.trainer_api.policies`) whether and at which size to
-restart, resuming from the :class:`~polytrain.trainer_api.checkpointing.CheckpointManager`'s
-latest state. The framework trainers (:class:`~polytrain.trainer_api.torch_trainer.TorchTrainer`,
-:class:`~polytrain.trainer_api.tf_trainer.TFTrainer`) add only their framework
+restart, resuming from the :class:`~polytrain.trainer_api.checkpointing.manager.CheckpointManager`'s
+latest state. The framework trainers (:class:`~polytrain.trainer_api.torch.trainer.TorchTrainer`,
+:class:`~polytrain.trainer_api.tensorflow.trainer.TFTrainer`) add only their framework
 hooks: how workers are set up, and how a state leaves and enters them.
 """
 
@@ -16,16 +16,19 @@ import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from polytrain.backends.base import Backend
-from polytrain.backends.context import WorkerContext
+from polytrain.backends.core.backend import Backend
+from polytrain.backends.core.context import WorkerContext
+from polytrain.backends.core.rendezvous import Rendezvous
 from polytrain.backends.registry import get_backend
-from polytrain.backends.rendezvous import Rendezvous
 from polytrain.errors import ConfigTypeError, TrainerShutdownError
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.factory import make_group
-from polytrain.trainer_api.checkpoint_trainer import CheckpointDirMixin
-from polytrain.trainer_api.checkpointing import CheckpointManager
-from polytrain.trainer_api.config import (
+from polytrain.trainer_api.checkpointing.manager import CheckpointManager
+from polytrain.trainer_api.checkpointing.recovery import RecoveryStore
+from polytrain.trainer_api.checkpointing.step_plans import StepCheckpointPlan
+from polytrain.trainer_api.checkpointing.trainer_dirs import CheckpointDirMixin
+from polytrain.trainer_api.checkpointing.trainer_state import StateMixin
+from polytrain.trainer_api.options.configs import (
     CheckpointConfig,
     FailureConfig,
     ScalingConfig,
@@ -38,10 +41,7 @@ from polytrain.trainer_api.policies import (
     ProgressReporter,
     ScalingPolicy,
 )
-from polytrain.trainer_api.recovery import RecoveryStore
-from polytrain.trainer_api.step_checkpoints import StepCheckpointPlan
 from polytrain.trainer_api.tracking import TrainerLoggers
-from polytrain.trainer_api.trainer_state import StateMixin
 
 
 def _shutdown_group(rendezvous: Rendezvous | None, group: WorkerGroup, force: bool = False) -> None:
@@ -82,7 +82,7 @@ class BaseTrainer(CheckpointDirMixin, StateMixin, abc.ABC):
         num_cpus_per_worker: shortcut for ``scaling_config.num_cpus_per_worker``.
         scaling_config: :class:`ScalingConfig` or a dict of its fields. A shortcut
             may not set a field this sets too (see
-            :func:`~polytrain.trainer_api.config.merge_flat_options`).
+            :func:`~polytrain.trainer_api.options.configs.merge_flat_options`).
         failure_config: :class:`FailureConfig` or a dict of its fields.
         checkpoint_config: :class:`CheckpointConfig` or a dict of its fields.
         use_fp16: mixed precision.
@@ -163,11 +163,11 @@ class BaseTrainer(CheckpointDirMixin, StateMixin, abc.ABC):
 
     @classmethod
     def from_config(cls, path: str | Any, **overrides: Any) -> BaseTrainer:
-        """Build a trainer from a YAML run config (see :mod:`polytrain.trainer_api.run_config`).
+        """Build a trainer from a YAML run config (see :mod:`polytrain.trainer_api.options.run_config`).
 
         ``overrides`` use dotted keys for nested values, e.g. ``{"config.lr": 0.1}``.
         """
-        from polytrain.trainer_api.run_config import trainer_from_config
+        from polytrain.trainer_api.options.run_config import trainer_from_config
 
         return trainer_from_config(path, trainer_cls=cls, **overrides)
 

@@ -91,7 +91,7 @@ def _token_checks(gcs_address: str) -> dict[str, str]:
 
 
 def _bounded_connect() -> dict:
-    from polytrain.launchers.connect import ensure_ray
+    from polytrain.launchers.cluster.connect import ensure_ray
 
     silent = socket.socket()  # accepts connections (kernel backlog), never speaks gRPC
     silent.bind(("127.0.0.1", 0))
@@ -112,7 +112,7 @@ def main(out_path: str) -> None:
     outward_ip = get_node_ip_address()  # before Ray starts: the host's outward address
     collect = _Collect()
     logging.getLogger("polytrain").addHandler(collect)
-    from polytrain.launchers.connect import ensure_ray, probe
+    from polytrain.launchers.cluster.connect import ensure_ray, probe
 
     ensure_ray(None)
     result: dict = {"warnings": collect.messages, "outward_ip": outward_ip}

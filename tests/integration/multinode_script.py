@@ -266,7 +266,7 @@ def main(out_path: str, wanted: list[str], no_node_loss: bool = False) -> None:
     import ray
 
     from polytrain.backends.registry import get_spec
-    from polytrain.launchers.connect import ensure_ray, plan_connection
+    from polytrain.launchers.cluster.connect import ensure_ray, plan_connection
 
     tmp = Path(out_path).parent
     cluster, nodes = start_cluster()

@@ -188,7 +188,7 @@ def fake_cluster():
 def test_node_types_are_read_from_the_head(fake_cluster):
     value, _ = fake_cluster.driver(
         """
-        from polytrain.launchers import autoscaler
+        from polytrain.launchers.cluster import autoscaler
         shape = autoscaler.read_cluster_shape()
         result({"source": shape.source, "describe": shape.describe(),
                 "types": [[t.name, dict(t.resources), t.min_workers, t.max_workers]
@@ -205,7 +205,7 @@ def test_an_autoscaler_whose_node_types_cannot_be_read_is_waited_for(fake_cluste
     a monitor on another host) waits for nodes instead of failing on the 0-CPU head."""
     value, _ = fake_cluster.driver(
         """
-        from polytrain.launchers import autoscaler
+        from polytrain.launchers.cluster import autoscaler
         autoscaler._monitor_config_file = lambda status: None  # the monitor is not ours to read
         shape = autoscaler.judge_request({"CPU": 2.0}, 2, "PACK", "2 x CPU 2")
         result({"runs": autoscaler.autoscaler_runs(), "shape": shape is not None,
@@ -223,7 +223,7 @@ def test_an_autoscaler_whose_node_types_cannot_be_read_is_waited_for(fake_cluste
 def test_polytrain_check_lists_node_types_next_to_live_nodes(fake_cluster):
     value, _ = fake_cluster.driver(
         """
-        from polytrain.cli_check import _check_nodes, _Report
+        from polytrain.cli.check import _check_nodes, _Report
         report = _Report()
         _check_nodes(report, None)
         result({check: [status, detail] for check, status, detail in report.rows})
@@ -241,7 +241,7 @@ def test_impossible_requests_fail_in_seconds(fake_cluster):
     value, _ = fake_cluster.driver(
         """
         from polytrain.errors import InsufficientResourcesError
-        from polytrain.launchers import autoscaler
+        from polytrain.launchers.cluster import autoscaler
         out = {}
         for name, bundle, count in [("big", {"CPU": 4.0}, 1), ("gpu", {"CPU": 1.0, "GPU": 1.0}, 1),
                                     ("many", {"CPU": 2.0}, 3), ("fits", {"CPU": 2.0}, 2)]:
@@ -328,7 +328,7 @@ def test_a_placement_group_waits_for_new_nodes_with_progress(fake_cluster):
     value, _ = fake_cluster.driver(
         """
         from ray.util.placement_group import placement_group, remove_placement_group
-        from polytrain.launchers import autoscaler
+        from polytrain.launchers.cluster import autoscaler
         lines = []
         before = sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU"))
         bundle = {"CPU": 2.0}

@@ -43,7 +43,7 @@ def test_unknown_backend():
 def test_backend_not_installed():
     spec = registry.BackendSpec(
         "absent",
-        "polytrain.backends.ddp:DDPBackend",
+        "polytrain.backends.ddp.backend:DDPBackend",
         "torch",
         "needs a missing package",
         requires=("a_package_that_is_not_installed",),

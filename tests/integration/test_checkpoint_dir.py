@@ -25,12 +25,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain import TorchTrainer, TrainingOperator
 from polytrain.backends.registry import get_spec
+from polytrain.checkpoint import layout
+from polytrain.checkpoint.directory import SaveRequest
+from polytrain.checkpoint.storage import Storage
 from polytrain.errors import CheckpointError
-from polytrain.trainer_api import checkpoint_layout as layout
-from polytrain.trainer_api import checkpoint_worker
-from polytrain.trainer_api.checkpoint_io import SaveRequest
-from polytrain.trainer_api.checkpoint_storage import Storage
-from polytrain.trainer_api.checkpoint_torch import load_operator, save_operator
+from polytrain.trainer_api.checkpointing import worker_writer as checkpoint_worker
+from polytrain.trainer_api.torch.checkpoint import load_operator, save_operator
 
 pytestmark = pytest.mark.usefixtures("ray_start_4_cpus")
 

@@ -27,8 +27,8 @@ import pytest
 
 from polytrain import TorchTrainer
 from polytrain.backends.registry import available_backends, get_spec
+from polytrain.checkpoint.single_file import load_checkpoint
 from polytrain.errors import ConfigError
-from polytrain.trainer_api.checkpoint import load_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DDP = "examples/configs/ddp.yaml"

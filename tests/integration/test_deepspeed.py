@@ -184,7 +184,7 @@ def test_bf16_on_cpu_trains_in_local_mode():
 def test_ds_config_file_sets_the_stage(tmp_path):
     import json
 
-    from polytrain.backends.deepspeed import DeepSpeedBackend
+    from polytrain.backends.deepspeed.backend import DeepSpeedBackend
 
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0}))
@@ -286,7 +286,7 @@ def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_afterward
     """DeepSpeed's autotuner imports mlflow at import time (1.8 s); polytrain's import skips it."""
     code = (
         "import sys\n"
-        "from polytrain.backends.deepspeed_env import import_deepspeed\n"
+        "from polytrain.backends.deepspeed.env import import_deepspeed\n"
         "import_deepspeed()\n"
         "assert 'deepspeed' in sys.modules and 'mlflow' not in sys.modules, sorted(sys.modules)\n"
         "from deepspeed.autotuning import autotuner\n"

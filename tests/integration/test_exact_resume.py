@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain import TorchTrainer, TrainingOperator
-from polytrain.trainer_api import rng_state
+from polytrain.checkpoint import rng_state
 
 
 def _model(config):

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from polytrain import TorchTrainer, TrainingOperator
-from polytrain.backends.horovod import HorovodBackend
+from polytrain.backends.horovod.backend import HorovodBackend
 from polytrain.backends.registry import get_spec
 from polytrain.errors import TrainerShutdownError, WorkerDiedError, WorkerError
 from tests.helpers import (

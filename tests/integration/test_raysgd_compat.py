@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from examples import digits
 from polytrain import TorchTrainer, TrainingOperator
-from polytrain.backends.ddp import DDPBackend
-from polytrain.backends.torch_distributed import TorchDistributedRendezvous
+from polytrain.backends.core.torch_distributed import TorchDistributedRendezvous
+from polytrain.backends.ddp.backend import DDPBackend
 from polytrain.errors import WorkerDiedError
 from tests.helpers import DIGITS, max_param_diff
 from tests.integration.test_reliability import _Killer

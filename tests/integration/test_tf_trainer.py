@@ -195,7 +195,7 @@ def test_checkpoint_round_trip_to_another_worker_count(two_workers, one_worker, 
 
 
 def _fail_on_rank_one():
-    from polytrain.trainer_api import tf_worker
+    from polytrain.trainer_api.tensorflow import worker as tf_worker
 
     if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 1:
         raise ValueError("boom on purpose")

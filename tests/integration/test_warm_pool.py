@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from polytrain import TorchTrainer
-from polytrain.backends.context import WorkerContext
-from polytrain.backends.torch_distributed import start_process_group
-from polytrain.launchers import pool
+from polytrain.backends.core.context import WorkerContext
+from polytrain.backends.core.torch_distributed import start_process_group
+from polytrain.launchers.pool import warm_pool as pool
 from polytrain.launchers.worker import WORKER_STATE
 from polytrain.launchers.worker_group import RayWorkerGroup
 from tests.helpers import (
@@ -226,7 +226,7 @@ def test_reused_worker_has_no_process_group(ray_start_4_cpus):
 def _store_view() -> tuple[int | None, str | None, float]:
     import torch.distributed as dist
 
-    from polytrain.backends import torch_distributed
+    from polytrain.backends.core import torch_distributed
 
     server = torch_distributed._store_server
     total = torch.ones(1)
@@ -235,14 +235,14 @@ def _store_view() -> tuple[int | None, str | None, float]:
 
 
 def _store_server_alive() -> bool:
-    from polytrain.backends import torch_distributed
+    from polytrain.backends.core import torch_distributed
 
     return torch_distributed._store_server is not None
 
 
 def test_rendezvous_store_is_bound_by_rank_0_and_let_go_with_its_group(ray_start_4_cpus):
     """Rank 0 listens on a port its OS chose (no free-port race) and advertises it."""
-    from polytrain.backends.torch_distributed import stop_process_group
+    from polytrain.backends.core.torch_distributed import stop_process_group
 
     group = _group()
     for _ in range(2):  # a second group on the same (warm) workers gets a store of its own

@@ -16,7 +16,7 @@ import torch
 
 from polytrain import TorchTrainer, TrainingOperator
 from polytrain.backends.registry import available_backends
-from polytrain.launchers import pool
+from polytrain.launchers.pool import warm_pool as pool
 from tests.helpers import parity_data_creator, parity_model_creator, parity_optimizer_creator
 
 BACKEND_CONFIGS = {"deepspeed": {"stage": 2}, "fairscale": {"mode": "sddp"}}

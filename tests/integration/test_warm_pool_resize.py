@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from polytrain.errors import InsufficientResourcesError
-from polytrain.launchers import pool
+from polytrain.launchers.pool import warm_pool as pool
 from tests.integration.test_warm_pool import (  # noqa: F401 - empty_pool is an autouse fixture
     _cpus_free,
     _group,

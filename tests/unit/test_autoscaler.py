@@ -1,4 +1,4 @@
-"""The autoscaler helpers' pure functions (polytrain.launchers.autoscaler), without Ray."""
+"""The autoscaler helpers' pure functions (polytrain.launchers.cluster.autoscaler), without Ray."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from polytrain.launchers.autoscaler import (
+from polytrain.launchers.cluster.autoscaler import (
     ClusterShape,
     NodeType,
     bundles_per_node,
@@ -180,7 +180,7 @@ def test_setup_commands_per_node_type():
 
 
 def test_start_timeout_is_minutes_only_where_an_autoscaler_may_add_nodes():
-    from polytrain.launchers.autoscaler import AUTOSCALER_START_TIMEOUT_S, START_TIMEOUT_S
+    from polytrain.launchers.cluster.autoscaler import AUTOSCALER_START_TIMEOUT_S, START_TIMEOUT_S
     from polytrain.launchers.scaling import ScalingConfig
 
     default = ScalingConfig(num_workers=2).start_timeout_s
@@ -196,7 +196,7 @@ def test_start_timeout_is_minutes_only_where_an_autoscaler_may_add_nodes():
 def test_an_unreadable_autoscaler_is_waited_for_and_no_autoscaler_judges_live_nodes(
     monkeypatch, runs
 ):
-    from polytrain.launchers import autoscaler
+    from polytrain.launchers.cluster import autoscaler
 
     monkeypatch.setattr(autoscaler, "read_cluster_shape", lambda: None)
     monkeypatch.setattr(autoscaler, "autoscaler_runs", lambda: runs)
@@ -213,7 +213,7 @@ def test_an_unreadable_autoscaler_is_waited_for_and_no_autoscaler_judges_live_no
 
 def test_a_watching_monitor_is_not_an_autoscaler(monkeypatch):
     """Every cluster's monitor reports a status; only one with node types can add nodes."""
-    from polytrain.launchers import autoscaler_status
+    from polytrain.launchers.cluster import autoscaler_status
 
     read_only = {"autoscaler_report": {"node_type_mapping": {"ab12": "node_ab12"}}}
     real = {"autoscaler_report": {"node_type_mapping": {"ab12": "ray.head.default"}}}

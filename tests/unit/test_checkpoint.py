@@ -12,8 +12,7 @@ import time
 import pytest
 import torch
 
-from polytrain.errors import CheckpointError
-from polytrain.trainer_api.checkpoint import (
+from polytrain.checkpoint.single_file import (
     FORMAT,
     VERSION,
     latest_checkpoint,
@@ -21,6 +20,7 @@ from polytrain.trainer_api.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
+from polytrain.errors import CheckpointError
 
 
 def _state(value: float = 1.0, size: int = 4) -> dict:

@@ -15,13 +15,10 @@ import pickle
 import pytest
 import torch
 
-from polytrain.backends.shard_state import LocalState, Piece, assemble, split_state
-from polytrain.cli_checkpoint import add_checkpoint
-from polytrain.errors import CheckpointError, ConfigError
-from polytrain.trainer_api import checkpoint as ckpt
-from polytrain.trainer_api import checkpoint_layout as layout
-from polytrain.trainer_api.checkpoint_convert import read_directory, to_consolidated, to_sharded
-from polytrain.trainer_api.checkpoint_io import (
+from polytrain.checkpoint import layout
+from polytrain.checkpoint import single_file as ckpt
+from polytrain.checkpoint.convert import read_directory, to_consolidated, to_sharded
+from polytrain.checkpoint.directory import (
     DirReader,
     SaveRequest,
     commit,
@@ -30,9 +27,12 @@ from polytrain.trainer_api.checkpoint_io import (
     snapshot,
     write_part,
 )
-from polytrain.trainer_api.checkpoint_storage import Storage
-from polytrain.trainer_api.checkpointing import CheckpointManager
-from polytrain.trainer_api.config import CheckpointConfig
+from polytrain.checkpoint.pieces import LocalState, Piece, assemble, split_state
+from polytrain.checkpoint.storage import Storage
+from polytrain.cli.checkpoint import add_checkpoint
+from polytrain.errors import CheckpointError, ConfigError
+from polytrain.trainer_api.checkpointing.manager import CheckpointManager
+from polytrain.trainer_api.options.configs import CheckpointConfig
 
 
 def cli_main(argv: list[str]) -> int:

@@ -23,8 +23,12 @@ import pytest
 import yaml
 
 from polytrain.backends.registry import describe_backends
-from polytrain.cli_check import _check_node_setup, _Report, installed_extras
-from polytrain.launchers.autoscaler import can_ever_fit, node_setup_commands, shape_from_config
+from polytrain.cli.check import _check_node_setup, _Report, installed_extras
+from polytrain.launchers.cluster.autoscaler import (
+    can_ever_fit,
+    node_setup_commands,
+    shape_from_config,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = REPO_ROOT / "examples" / "cluster"

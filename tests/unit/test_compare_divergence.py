@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from polytrain.compare import BackendResult, flag_divergence, format_table, write_results
-from polytrain.compare_divergence import likely_causes, relative_difference
+from polytrain.compare.divergence import likely_causes, relative_difference
+from polytrain.compare.runner import BackendResult, flag_divergence, format_table, write_results
 from polytrain.errors import ConfigError
 
 

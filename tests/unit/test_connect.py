@@ -13,7 +13,7 @@ import socket
 
 import pytest
 
-from polytrain.launchers.connect import plan_connection, probe, resolve_target
+from polytrain.launchers.cluster.connect import plan_connection, probe, resolve_target
 
 
 def _outward_ip() -> str:
@@ -114,7 +114,7 @@ def test_head_on_every_interface_is_dialled_as_ray_does():
 
 def test_stale_session_file_starts_local_with_no_address(session_dir, dead_port, caplog):
     (session_dir / "ray_current_cluster").write_text(f"127.0.0.1:{dead_port}")
-    with caplog.at_level(logging.WARNING, logger="polytrain.launchers.connect"):
+    with caplog.at_level(logging.WARNING, logger="polytrain.launchers.cluster.connect"):
         how, target = plan_connection(None)
     assert how == "local"
     assert target.source == "session file"

@@ -7,14 +7,14 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from polytrain.errors import ConfigError, ConfigTypeError, CreatorError
-from polytrain.trainer_api.config import (
+from polytrain.trainer_api.creators import TorchCreators
+from polytrain.trainer_api.options.configs import (
     CheckpointConfig,
     FailureConfig,
     ScalingConfig,
     coerce_config,
     merge_flat_options,
 )
-from polytrain.trainer_api.creators import TorchCreators
 
 
 def _model(config):

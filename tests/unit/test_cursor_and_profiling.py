@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
-from polytrain.trainer_api.cursor import DataCursor
+from polytrain.trainer_api.data.cursor import DataCursor
 from polytrain.trainer_api.profiling import PhaseTimer, reduce_profiles
 
 

@@ -8,7 +8,7 @@ import sys
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from polytrain.trainer_api.data import UnpaddedDistributedSampler, add_distributed_sampler
+from polytrain.trainer_api.data.loaders import UnpaddedDistributedSampler, add_distributed_sampler
 
 
 def _loader(n=10, **kwargs):

@@ -5,15 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polytrain.backends.context import Components, WorkerContext
-from polytrain.backends.fsdp import FSDPBackend, FSDPConfig, FSDPStrategy
-from polytrain.backends.fsdp2 import (
+from polytrain.backends.core.context import Components, WorkerContext
+from polytrain.backends.core.precision import MixedPrecision, Precision
+from polytrain.backends.fsdp.backend import FSDPBackend
+from polytrain.backends.fsdp.config import FSDPConfig
+from polytrain.backends.fsdp.strategy_v1 import FSDP1Strategy
+from polytrain.backends.fsdp.strategy_v2 import (
     FSDP2Strategy,
     mixed_precision_dtype,
     reshard_after_forward,
     wrap_units,
 )
-from polytrain.backends.precision import MixedPrecision, Precision
 from polytrain.backends.registry import get_backend, get_spec
 from polytrain.errors import ConfigError
 
@@ -22,7 +24,7 @@ from polytrain.errors import ConfigError
 def test_version_2_is_the_default_and_1_keeps_fsdp1():
     assert FSDPConfig().version == 2
     assert type(FSDPBackend().make_strategy()) is FSDP2Strategy
-    assert type(FSDPBackend({"version": 1}).make_strategy()) is FSDPStrategy
+    assert type(FSDPBackend({"version": 1}).make_strategy()) is FSDP1Strategy
     assert type(get_backend("torch_fsdp", {"version": 2}).make_strategy()) is FSDP2Strategy
 
 

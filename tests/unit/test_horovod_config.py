@@ -8,12 +8,9 @@ import sys
 
 import pytest
 
-from polytrain.backends.horovod import (
-    HorovodBackend,
-    HorovodConfig,
-    check_slots_match_ranks,
-    horovod_env,
-)
+from polytrain.backends.horovod.backend import HorovodBackend
+from polytrain.backends.horovod.config import HorovodConfig
+from polytrain.backends.horovod.rendezvous import check_slots_match_ranks, horovod_env
 from polytrain.backends.registry import get_backend, get_spec
 from polytrain.launchers.ranks import compute_ranks
 
@@ -77,7 +74,7 @@ def test_backend_pickles_without_driver_state():
 
 @needs_horovod
 def test_slot_plan_and_env_follow_the_worker_group_ranks():
-    from polytrain.backends.horovod import host_assignments
+    from polytrain.backends.horovod.rendezvous import host_assignments
 
     nodes = ["node-a", "node-a", "node-b", "node-b", "node-b"]
     slots = host_assignments(nodes)
@@ -123,8 +120,8 @@ def test_force_host_staging_reaches_the_worker_strategy():
 
 def test_driver_sides_import_no_framework():
     code = (
-        "import sys, polytrain.backends.horovod_rendezvous, "
-        "polytrain.backends.deepspeed_rendezvous; "
+        "import sys, polytrain.backends.horovod.rendezvous, "
+        "polytrain.backends.deepspeed.rendezvous; "
         "print(sorted(m for m in ('torch', 'horovod', 'deepspeed') if m in sys.modules))"
     )
     out = subprocess.run(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from polytrain.errors import ConfigError
-from polytrain.launchers.jobs import _is_plaintext_remote, auth_headers, auth_token
+from polytrain.launchers.cluster.jobs import _is_plaintext_remote, auth_headers, auth_token
 
 
 @pytest.fixture

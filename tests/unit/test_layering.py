@@ -119,7 +119,7 @@ CLI = "polytrain.cli"
 
 def _is_face(module: str) -> bool:
     return module in ("polytrain", "polytrain.__main__") or any(
-        _in_layer(module, face) for face in (CLI, "polytrain.compare")
+        _in_layer(module, face) for face in (CLI, "polytrain.compare.runner")
     )
 
 
@@ -130,7 +130,12 @@ LAYER_RULES = {
         "polytrain.lightning",
         "polytrain.tune",
     ),
-    "polytrain.trainer_api": ("polytrain.lightning", "polytrain.tune", CLI, "polytrain.compare"),
+    "polytrain.trainer_api": (
+        "polytrain.lightning",
+        "polytrain.tune",
+        CLI,
+        "polytrain.compare.runner",
+    ),
     "polytrain.backends": ("polytrain.trainer_api", "polytrain.lightning", "polytrain.tune", CLI),
 }
 
@@ -145,7 +150,7 @@ def test_import_reader_sees_every_kind_of_import():
 
         def f():
             import importlib
-            from polytrain.trainer_api import checkpoint
+            from polytrain.checkpoint import single_file as checkpoint
             return importlib.import_module("polytrain.tune")
         """
     )
@@ -156,10 +161,10 @@ def test_import_reader_sees_every_kind_of_import():
         "polytrain.compat",
         "polytrain.launchers.worker",
         "polytrain.backends.registry",
-        "polytrain.trainer_api.checkpoint",
+        "polytrain.checkpoint.single_file",
         "polytrain.tune",
     } <= found
-    assert len(_package_modules()) > 30 and "polytrain.cli" in _package_modules()
+    assert len(_package_modules()) > 30 and "polytrain.cli.main" in _package_modules()
 
 
 @pytest.mark.parametrize("importers", sorted(LAYER_RULES))
@@ -325,14 +330,14 @@ DDP = REPO_ROOT / "examples" / "configs" / "ddp.yaml"
     [{"num_workers": -1}, {"num_workers": "2"}, {"use_gpu": "yes"}, {"num_cpus_per_worker": -1}],
 )
 def test_bad_scaling_config_field_is_a_config_error(values):
-    from polytrain.trainer_api.config import ScalingConfig
+    from polytrain.trainer_api.options.configs import ScalingConfig
 
     with pytest.raises(ConfigError):
         ScalingConfig(**values)
 
 
 def test_unknown_option_keys_are_config_errors():
-    from polytrain.trainer_api.config import ScalingConfig, coerce_config
+    from polytrain.trainer_api.options.configs import ScalingConfig, coerce_config
 
     with pytest.raises(ConfigError, match="num_wokers"):
         coerce_config(ScalingConfig, {"num_wokers": 2}, "scaling_config")
@@ -340,7 +345,7 @@ def test_unknown_option_keys_are_config_errors():
 
 def test_bad_backend_config_key_is_a_config_type_error():
     from polytrain.backends.registry import get_backend_class
-    from polytrain.trainer_api.run_config import load_config
+    from polytrain.trainer_api.options.run_config import load_config
 
     config_cls = get_backend_class("ddp").config_cls
     with pytest.raises(ConfigTypeError, match="bogus"):
@@ -362,15 +367,15 @@ def test_bad_backend_config_key_is_a_config_type_error():
     ],
 )
 def test_bad_run_config_value_is_a_config_error(override, error):
-    from polytrain.trainer_api.run_config import load_config
+    from polytrain.trainer_api.options.run_config import load_config
 
     with pytest.raises(error):
         load_config(DDP, [override])
 
 
 def test_bad_arguments_of_the_faces_are_config_errors(tmp_path):
-    from polytrain.compare import compare_backends
-    from polytrain.trainer_api.run_config import parse_overrides
+    from polytrain.compare.runner import compare_backends
+    from polytrain.trainer_api.options.run_config import parse_overrides
     from polytrain.trainer_api.trainable import tune_resources
 
     with pytest.raises(ConfigTypeError):

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from polytrain.backends.ddp import DDPConfig, ddp_parameters
+from polytrain.backends.ddp.config import DDPConfig, ddp_parameters
 from polytrain.backends.registry import get_backend
 from polytrain.errors import ConfigError, ConfigTypeError
 from polytrain.launchers.scaling import ScalingConfig
@@ -19,7 +19,7 @@ def test_cpu_entry_sets_cpus_and_threads():
     assert scaling.num_cpus_per_worker == 3
     assert scaling.resources_per_worker == {"accelerator": 1}  # only custom resources stay
     assert scaling.worker_bundle() == {"CPU": 3.0, "accelerator": 1}
-    from polytrain.backends.context import WorkerContext
+    from polytrain.backends.core.context import WorkerContext
 
     assert WorkerContext.from_scaling(scaling).num_cpus == 3  # the worker's torch threads
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from polytrain.checkpoint.single_file import FORMAT, VERSION
 from polytrain.errors import (
     InsufficientResourcesError,
     WorkerDiedError,
@@ -15,9 +16,8 @@ from polytrain.errors import (
 )
 from polytrain.launchers import LocalWorkerGroup, ScalingConfig, WorkerGroup, make_group
 from polytrain.launchers.local import _Done
-from polytrain.trainer_api.checkpoint import FORMAT, VERSION
-from polytrain.trainer_api.checkpointing import CheckpointManager
-from polytrain.trainer_api.config import CheckpointConfig
+from polytrain.trainer_api.checkpointing.manager import CheckpointManager
+from polytrain.trainer_api.options.configs import CheckpointConfig
 from polytrain.trainer_api.policies import (
     FailurePolicy,
     HangWatchdog,
@@ -38,7 +38,7 @@ def test_failure_policy_retries_lost_and_hung_workers_within_the_budget():
 
 
 def test_failure_config_retries_lost_workers_three_times_by_default():
-    from polytrain.trainer_api.config import FailureConfig
+    from polytrain.trainer_api.options.configs import FailureConfig
 
     assert FailureConfig().max_retries == 3  # RaySGD's default
     died = WorkerDiedError("rank 1 died", rank=1)

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from polytrain.launchers.pool import IdleGroup, PoolKey, WorkerPool
+from polytrain.launchers.pool.warm_pool import IdleGroup, PoolKey, WorkerPool
 
 KEY = PoolKey(bundle=(("CPU", 1.0),), num_workers=2, strategy="PACK", scope="own", session="s/1")
 

@@ -10,7 +10,8 @@ import types
 import pytest
 
 from polytrain.errors import ConfigError, ConfigTypeError
-from polytrain.launchers import pool, worker_reset
+from polytrain.launchers.pool import reset as worker_reset
+from polytrain.launchers.pool import warm_pool as pool
 
 
 @pytest.fixture(autouse=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from polytrain.backends.tensorflow import MultiWorkerMirroredBackend
+from polytrain.backends.tensorflow.backend import MultiWorkerMirroredBackend
 from polytrain.errors import ConfigError, ConfigTypeError
-from polytrain.trainer_api.ray_data_tf import resolve_columns, turn_off_auto_shard
+from polytrain.trainer_api.tensorflow.ray_data import resolve_columns, turn_off_auto_shard
 
 
 @pytest.mark.parametrize(

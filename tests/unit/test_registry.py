@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from polytrain.backends import registry
-from polytrain.backends.base import Backend, BackendConfig
+from polytrain.backends.core.backend import Backend, BackendConfig
 from polytrain.backends.registry import (
     BackendSpec,
     UnknownBackendError,
@@ -58,7 +58,7 @@ def test_wrong_framework_points_to_the_other_trainer():
 def fake_backend():
     spec = BackendSpec(
         "needs_missing",
-        "polytrain.backends.ddp:DDPBackend",
+        "polytrain.backends.ddp.backend:DDPBackend",
         "torch",
         "a backend whose package is absent",
         requires=("package_that_is_not_installed",),
@@ -133,8 +133,8 @@ def test_a_new_backend_is_one_class_and_one_entry():
     """The recipe in the README: a Backend subclass binding a config, a rendezvous and a strategy."""
     from dataclasses import dataclass
 
-    from polytrain.backends.rendezvous import Rendezvous
-    from polytrain.backends.strategy import TorchStrategy
+    from polytrain.backends.core.rendezvous import Rendezvous
+    from polytrain.backends.core.strategy import TorchStrategy
 
     @dataclass
     class EchoConfig(BackendConfig):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from polytrain.trainer_api import rng_state
+from polytrain.checkpoint import rng_state
 
 
 def _draw() -> tuple:

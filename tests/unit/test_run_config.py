@@ -11,12 +11,12 @@ import yaml
 
 from polytrain.backends import registry
 from polytrain.backends.registry import BackendSpec, available_backends, get_spec
-from polytrain.cli import build_parser, main
-from polytrain.compare import BackendResult, compare_backends, format_table, write_results
+from polytrain.cli.main import build_parser, main
+from polytrain.compare.runner import BackendResult, compare_backends, format_table, write_results
 from polytrain.errors import ConfigError
-from polytrain.launchers.jobs import DEFAULT_EXCLUDES, JobOutcome, submit_job
-from polytrain.trainer_api.config import CheckpointConfig, FailureConfig, ScalingConfig
-from polytrain.trainer_api.run_config import (
+from polytrain.launchers.cluster.jobs import DEFAULT_EXCLUDES, JobOutcome, submit_job
+from polytrain.trainer_api.options.configs import CheckpointConfig, FailureConfig, ScalingConfig
+from polytrain.trainer_api.options.run_config import (
     RunConfig,
     import_object,
     load_config,
@@ -350,7 +350,7 @@ def test_trainer_kwargs_reject_options_the_trainer_does_not_take():
 
 
 def test_tensorflow_config_passes_only_what_tftrainer_takes():
-    from polytrain.trainer_api.tf_trainer import TFTrainer
+    from polytrain.trainer_api.tensorflow.trainer import TFTrainer
 
     run = load_config(DDP.parent / "mwms.yaml", ["use_tqdm=true"])
     kwargs = run.trainer_kwargs(TFTrainer)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from polytrain.errors import ConfigError, ConfigTypeError
-from polytrain.trainer_api.config import CheckpointConfig
-from polytrain.trainer_api.step_checkpoints import (
+from polytrain.trainer_api.checkpointing.step_plans import (
     PROBE_STEPS,
     StepCheckpointPlan,
     combine_call_stats,
     train_in_chunks,
 )
+from polytrain.trainer_api.options.configs import CheckpointConfig
 
 
 def test_every_n_steps_cuts_calls_where_a_checkpoint_is_due():

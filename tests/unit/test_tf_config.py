@@ -10,14 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from polytrain.backends.context import WorkerContext
+from polytrain.backends.core.context import WorkerContext
+from polytrain.backends.core.rendezvous import Rendezvous
+from polytrain.backends.core.strategy import KerasStrategy
 from polytrain.backends.registry import get_backend
-from polytrain.backends.rendezvous import Rendezvous
-from polytrain.backends.strategy import KerasStrategy
-from polytrain.backends.tensorflow import (
-    MultiWorkerMirroredBackend,
-    MWMSConfig,
-    MWMSStrategy,
+from polytrain.backends.tensorflow.backend import MultiWorkerMirroredBackend
+from polytrain.backends.tensorflow.config import MWMSConfig
+from polytrain.backends.tensorflow.rendezvous import (
     TFConfigRendezvous,
     build_tf_config,
     format_address,
@@ -25,6 +24,7 @@ from polytrain.backends.tensorflow import (
     plan_ports,
     worker_env,
 )
+from polytrain.backends.tensorflow.strategy import MWMSStrategy
 from polytrain.compat.keras import LEGACY_KERAS_VAR, legacy_keras_env
 from polytrain.errors import ConfigError
 
@@ -192,14 +192,14 @@ def test_importing_the_tf_modules_imports_neither_tensorflow_nor_torch():
     code = (
         "import sys, polytrain\n"
         "from polytrain import TFTrainer\n"
-        "import polytrain.trainer_api.tf_worker\n"
+        "import polytrain.trainer_api.tensorflow.worker\n"
         "# The TF workers reach the backend only through the instance they are sent.\n"
         "assert 'polytrain.backends.tensorflow' not in sys.modules\n"
         "import polytrain.backends.tensorflow, polytrain.compat.keras\n"
-        "import polytrain.trainer_api.tf_worker, polytrain.trainer_api.checkpoint\n"
-        "import polytrain.backends.tensorflow_rendezvous, polytrain.backends.tensorflow_strategy\n"
+        "import polytrain.trainer_api.tensorflow.worker, polytrain.checkpoint.single_file\n"
+        "import polytrain.backends.tensorflow.rendezvous, polytrain.backends.tensorflow.strategy\n"
         "from polytrain.backends.registry import get_backend\n"
-        "from polytrain.backends.base import WorkerContext\n"
+        "from polytrain.backends.core.backend import WorkerContext\n"
         "get_backend('mwms')\n"
         "from polytrain.launchers.ranks import RankInfo\n"
         "placed = WorkerContext(world_size=2).for_rank(RankInfo(1, 1, 2, 2, 0))\n"

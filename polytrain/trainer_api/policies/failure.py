@@ -21,7 +21,7 @@ class FailurePolicy:
 
     Args:
         max_retries: restarts allowed over the trainer's life
-            (:attr:`~polytrain.trainer_api.config.FailureConfig.max_retries`).
+            (:attr:`~polytrain.trainer_api.options.configs.FailureConfig.max_retries`).
     """
 
     #: The errors a restart can cure.

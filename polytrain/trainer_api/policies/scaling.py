@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 from polytrain.errors import InsufficientResourcesError
-from polytrain.launchers.autoscaler import start_timeout
+from polytrain.launchers.cluster.autoscaler import start_timeout
 from polytrain.launchers.factory import placeable_workers
 from polytrain.launchers.placement import request_workers
 from polytrain.launchers.scaling import ScalingConfig

@@ -1,0 +1,110 @@
+"""The backend interface: a typed config, a driver side and a worker side.
+
+A backend is a plain class with its options on the instance (no singletons). It
+binds three things, looked up by name through
+:mod:`polytrain.backends.registry`:
+
+- its :class:`BackendConfig` dataclass (what ``backend_config=`` accepts);
+- a :class:`~polytrain.backends.core.rendezvous.Rendezvous`: the **driver** side, which
+  connects a started worker group (process group, Horovod's rendezvous server,
+  TF_CONFIG) and knows no framework;
+- a :class:`~polytrain.backends.core.strategy.Strategy`: the **worker** side, one per
+  framework (torch: prepare / backward / step / no_sync / state dicts, with a
+  :class:`~polytrain.backends.core.precision.Precision`; Keras: a ``tf.distribute``
+  strategy and data for ``fit``).
+
+The trainers and the Lightning strategies never test which backend they hold:
+whatever differs between backends lives in these objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from polytrain.backends.core.context import Components, WorkerContext
+from polytrain.backends.core.rendezvous import Rendezvous
+from polytrain.backends.core.strategy import Strategy, TorchStrategy, load_optimizer_states
+from polytrain.errors import ConfigTypeError
+
+__all__ = [
+    "Backend",
+    "BackendConfig",
+    "Components",
+    "Rendezvous",
+    "Strategy",
+    "TorchStrategy",
+    "WorkerContext",
+    "load_optimizer_states",
+]
+
+
+@dataclass
+class BackendConfig:
+    """Base class of the typed option set of a backend (empty for backends with no options)."""
+
+    @classmethod
+    def from_value(cls, value: Any, backend_name: str = "") -> BackendConfig:
+        """Build the config from ``None``, an instance, or a mapping of field names.
+
+        Raises:
+            ConfigTypeError: a mapping with an unknown key, or a value of another type.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            names = [f.name for f in dataclasses.fields(cls)]
+            unknown = sorted(set(value) - set(names))
+            if unknown:
+                raise ConfigTypeError(
+                    f"Unknown backend_config key(s) {unknown} for backend '{backend_name}'. "
+                    f"Allowed keys: {names or 'none (this backend takes no options)'}."
+                )
+            return cls(**value)
+        raise ConfigTypeError(
+            f"backend_config for backend '{backend_name}' must be a {cls.__name__}, a dict or "
+            f"None; got {type(value).__name__}: {value!r}."
+        )
+
+
+class Backend:
+    """A named pair of a driver-side rendezvous and a worker-side strategy, with typed options.
+
+    Subclasses set ``name``, ``framework``, ``config_cls``, ``rendezvous_cls`` and
+    ``strategy_cls``; the defaults are the no-op pair (no communication, plain
+    torch), which tests the executor without any framework.
+    """
+
+    name: ClassVar[str] = ""
+    framework: ClassVar[str] = "torch"  # "torch" | "tensorflow"
+    #: What a new worker imports in the background as soon as it starts, while the
+    #: driver places the other workers and sets up (the pool's ``preload`` setting
+    #: overrides it). Torch backends add their own library to this.
+    preload_modules: ClassVar[tuple[str, ...]] = ("torch", "torch.distributed")
+    config_cls: ClassVar[type[BackendConfig]] = BackendConfig
+    rendezvous_cls: ClassVar[type[Rendezvous]] = Rendezvous
+    strategy_cls: ClassVar[type[Strategy]] = TorchStrategy
+
+    def __init__(self, config: BackendConfig | dict | None = None) -> None:
+        self.config = self.config_cls.from_value(config, self.name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config!r})"
+
+    def validate_settings(self, *, num_workers: int, use_gpu: bool, use_fp16: bool) -> None:
+        """Driver: reject settings this backend cannot run, before any worker starts.
+
+        Raises:
+            ConfigError: naming the setting, what is allowed and what to do.
+        """
+
+    def make_rendezvous(self) -> Rendezvous:
+        """Driver: a new driver side for one worker group."""
+        return self.rendezvous_cls(self.config)
+
+    def make_strategy(self) -> Strategy:
+        """Worker: a new worker side (called inside every worker)."""
+        return self.strategy_cls(self.config)

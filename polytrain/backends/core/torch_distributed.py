@@ -1,0 +1,156 @@
+"""Process-group plumbing shared by the backends built on ``torch.distributed``.
+
+:class:`TorchDistributedRendezvous` is the driver side of ddp, fairscale, fsdp and
+deepspeed: it imports no framework; the functions it sends to the workers import
+torch there.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import TYPE_CHECKING
+
+from polytrain.backends.core.context import WorkerContext
+from polytrain.backends.core.rendezvous import Rendezvous
+from polytrain.launchers.ranks import torch_distributed_env
+
+if TYPE_CHECKING:
+    from polytrain.launchers.base import WorkerGroup
+
+# True in a process whose default process group polytrain created: only that one is
+# destroyed on shutdown (in local mode the driver may hold a process group of its own).
+_created_here = False
+
+# Rank 0's TCPStore server, kept alive as long as the process group that uses it.
+_store_server = None
+
+
+def _start_store(host: str, timeout_s: float) -> int:
+    """Rank 0: start the rendezvous store on a port the OS picks; return that port.
+
+    Binding port 0 in the process that keeps the socket open leaves no window in which
+    another process can take the port between "find a free port" and "listen on it".
+    """
+    from torch.distributed import TCPStore
+
+    global _store_server
+    _store_server = None  # a previous group's server (its group is gone by now)
+    _store_server = TCPStore(
+        host,
+        0,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    return int(_store_server.port)
+
+
+def _init_process_group(
+    backend: str,
+    store_address: tuple[str, int],
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    env: dict[str, str],
+    node_ip: str | None = None,
+) -> None:
+    import torch.distributed as dist
+
+    from polytrain.launchers.network import apply_socket_ifname_env
+
+    global _created_here
+    os.environ.update(env)
+    if node_ip is not None:
+        # gloo (and NCCL's bootstrap) bind to the interface that holds the address Ray
+        # reaches this node at, not to whatever the host name resolves to.
+        apply_socket_ifname_env(node_ip, use_gpu=backend == "nccl")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0 and _store_server is not None:
+        store = _store_server
+    else:
+        host, port = store_address
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    _created_here = True
+    dist.init_process_group(
+        backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+    )
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    global _created_here, _store_server
+    if _created_here and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _created_here = False
+    _store_server = None
+
+
+def default_dist_backend(use_gpu: bool) -> str:
+    """nccl on GPU, gloo on CPU."""
+    return "nccl" if use_gpu else "gloo"
+
+
+def start_process_group(
+    group: WorkerGroup, ctx: WorkerContext, dist_backend: str | None = None
+) -> None:
+    """Driver: initialise one ``torch.distributed`` process group across the workers.
+
+    Rank 0 starts the rendezvous store on a port its OS picks (no free-port race),
+    the others connect to it; every worker also gets the torchrun environment
+    (MASTER_ADDR, RANK, LOCAL_RANK, ...) with that address, which libraries such as
+    DeepSpeed read. Local mode (one in-process worker) starts none.
+    """
+    if ctx.local_mode:
+        return
+    dist_backend = dist_backend or default_dist_backend(ctx.use_gpu)
+    master_addr = group.metadata[0].node_ip
+    master_port = group.execute_single(0, _start_store, master_addr, ctx.timeout_s)
+    refs = [
+        group.execute_single_async(
+            rank,
+            _init_process_group,
+            dist_backend,
+            (master_addr, master_port),
+            info.world_rank,
+            info.world_size,
+            ctx.timeout_s,
+            torch_distributed_env(info, master_addr, master_port),
+            group.metadata[rank].node_ip,
+        )
+        for rank, info in enumerate(group.rank_infos)
+    ]
+    group.get(refs)
+
+
+def stop_process_group(group: WorkerGroup) -> None:
+    """Driver: destroy the process groups; tolerate dead workers."""
+    group.execute_best_effort(_destroy_process_group, timeout_s=5.0)
+
+
+def module_device_ids(ctx: WorkerContext) -> list[int] | None:
+    """Worker: ``device_ids`` for DDP-style wrappers: the worker's GPU, or None on CPU."""
+    if ctx.device.type == "cuda":
+        import torch
+
+        return [ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()]
+    return None
+
+
+class TorchDistributedRendezvous(Rendezvous):
+    """Driver side of the backends built on ``torch.distributed``: one default process group.
+
+    Uses ``config.dist_backend`` when the backend's config has one (None: nccl on
+    GPU, gloo on CPU).
+    """
+
+    def on_start(self, group: WorkerGroup, ctx: WorkerContext) -> None:
+        """Driver: one process group over all workers (none in local mode)."""
+        start_process_group(group, ctx, getattr(self.config, "dist_backend", None))
+
+    def on_shutdown(self, group: WorkerGroup) -> None:
+        """Driver: destroy the process groups (dead workers are fine)."""
+        stop_process_group(group)

@@ -1,0 +1,147 @@
+"""The worker side of fairscale's "fsdp" mode: fairscale's FullyShardedDataParallel (CUDA only)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from polytrain.backends.core import sharding as _sharding
+from polytrain.backends.core.context import Components, WorkerContext
+from polytrain.backends.core.precision import Precision, default_precision
+from polytrain.backends.core.strategy import TorchStrategy
+from polytrain.backends.fairscale import common
+from polytrain.backends.fairscale import state as fairscale_state
+from polytrain.backends.fairscale.config import FairscaleConfig
+from polytrain.checkpoint.pieces import LocalState, ShardReader, gathered_local_state, load_whole
+from polytrain.errors import ConfigError
+
+
+class FairscaleFSDPStrategy(TorchStrategy):
+    """Worker side of fairscale "fsdp": parameters, gradients and optimizer state sharded.
+
+    In local mode (no process group) nothing is wrapped and the plain torch
+    behaviour of :class:`~polytrain.backends.core.strategy.TorchStrategy` applies.
+    """
+
+    config: FairscaleConfig
+
+    def make_precision(self, ctx: WorkerContext) -> Precision:
+        """Worker: fairscale's FSDP casts parameters and inputs itself: no autocast when sharded."""
+        scaler = None
+        if ctx.use_fp16 and ctx.device.type == "cuda" and not ctx.local_mode:
+            from fairscale.optim.grad_scaler import ShardedGradScaler
+
+            scaler = ShardedGradScaler()
+        return default_precision(ctx, cast_forward=not _sharding.shards(ctx), scaler=scaler)
+
+    def prepare(self, components: Components, ctx: WorkerContext) -> Components:
+        """Worker: wrap every trainable model in FSDP and rebuild its optimizer over the flat params."""
+        if not _sharding.shards(ctx):
+            return components
+        from fairscale.nn import FullyShardedDataParallel
+
+        owners = [_sharding.owner_index(o, components.models) for o in components.optimizers]
+        for optimizer, owner in zip(components.optimizers, owners, strict=True):
+            _require_flat_layout(optimizer, components.models[owner] if owner is not None else None)
+        wrapped = [
+            FullyShardedDataParallel(
+                model,
+                mixed_precision=ctx.use_fp16,
+                reshard_after_forward=self.config.reshard_after_forward,
+                compute_device=ctx.device,
+            )
+            if _sharding.trainable(model)
+            else model
+            for model in components.models
+        ]
+        old_optimizers = list(components.optimizers)
+
+        def over_flat_params(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+            # fairscale's FSDP flattens each module's parameters into new FlatParameters:
+            # the optimizer is rebuilt over those (one group, the user's options).
+            owner = owners[old_optimizers.index(optimizer)]
+            if owner is None:
+                return optimizer
+            model = wrapped[owner]
+            options = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+            return _sharding.rebuild_optimizer(
+                optimizer,
+                factory=lambda groups, defaults: type(optimizer)(
+                    [{**options, "params": list(model.parameters())}], **defaults
+                ),
+            )
+
+        components.models = wrapped
+        _sharding.replace_optimizers(components, over_flat_params)
+        components.extra[common.OWNERS] = owners
+        return components
+
+    def no_sync(self, components: Components) -> contextlib.AbstractContextManager:
+        """Worker: FSDP's ``no_sync`` (gradients accumulate locally until the next sync)."""
+        return common.no_sync(components)
+
+    def full_state_dict(self, components: Components, ctx: WorkerContext) -> dict[str, Any] | None:
+        """Worker (all ranks, collective): fairscale FSDP's ``state_dict()`` gathers the parameters."""
+        if not _sharding.shards(ctx):
+            return super().full_state_dict(components, ctx)
+        models = [model.state_dict() for model in components.models]
+        optimizers = fairscale_state.gather_fsdp_states(common.owned(components))
+        return {"models": models, "optimizers": optimizers} if ctx.world_rank == 0 else None
+
+    def load_full_state_dict(
+        self, components: Components, state: dict[str, Any], ctx: WorkerContext
+    ) -> None:
+        """Worker (every rank): load a consolidated torch-format state; each rank keeps its shard."""
+        if not _sharding.shards(ctx):
+            super().load_full_state_dict(components, state, ctx)
+            return
+        for model, model_state in zip(components.models, state["models"], strict=True):
+            model.load_state_dict(model_state)
+        states = _sharding.portable_optimizer_states(state.get("optimizers"))
+        if states is None:
+            return
+        for (optimizer, model), optimizer_state in zip(
+            common.owned(components), states, strict=True
+        ):
+            if optimizer_state is not None:
+                fairscale_state.load_optimizer_shard(
+                    optimizer, model, optimizer_state, fsdp_mode=True
+                )
+
+    def sharded_state_dict(self, components: Components, ctx: WorkerContext) -> LocalState:
+        """Worker: fairscale's FSDP has no shard layout polytrain reads: the full state, gathered."""
+        return gathered_local_state(self, components, ctx)
+
+    def load_sharded_state_dict(
+        self, components: Components, reader: ShardReader, ctx: WorkerContext
+    ) -> None:
+        """Worker: whole models and optimizer states, each rank keeping its part."""
+        load_whole(self, components, reader, ctx)
+
+
+def _require_flat_layout(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> None:
+    """fairscale's FSDP keeps one param group, in the model's parameter order.
+
+    Raises:
+        ConfigError: param groups with different options, or another parameter order.
+    """
+    options = [
+        {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
+    ]
+    if any(o != options[0] for o in options[1:]):
+        raise ConfigError(
+            f"fairscale mode='fsdp' flattens the parameters, so the optimizer cannot keep "
+            f"{len(options)} param groups with different options ({type(optimizer).__name__}). "
+            f"Use backend='fsdp' (PyTorch's FSDP keeps per-group options), fairscale mode "
+            f"'sddp', or one param group."
+        )
+    params = [id(p) for group in optimizer.param_groups for p in group["params"]]
+    if model is not None and params != [id(p) for p in model.parameters()]:
+        raise ConfigError(
+            f"fairscale mode='fsdp' needs the optimizer ({type(optimizer).__name__}) over all of "
+            f"the model's parameters in model.parameters() order (its consolidated state is "
+            f"indexed that way); got {len(params)} parameters in another order. Create it with "
+            f"model.parameters(), or use backend='fsdp'."
+        )

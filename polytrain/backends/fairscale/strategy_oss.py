@@ -1,0 +1,169 @@
+"""The worker side of fairscale's "oss" and "sddp" modes: OSS optimizers, DDP or ShardedDataParallel."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from polytrain.backends.core import sharding as _sharding
+from polytrain.backends.core.context import Components, WorkerContext
+from polytrain.backends.core.precision import Precision, default_precision
+from polytrain.backends.core.strategy import TorchStrategy
+from polytrain.backends.core.torch_distributed import module_device_ids
+from polytrain.backends.ddp.config import buffer_sync_kwargs
+from polytrain.backends.fairscale import common
+from polytrain.backends.fairscale import state as fairscale_state
+from polytrain.backends.fairscale.config import FairscaleConfig
+from polytrain.checkpoint.pieces import LocalState, ShardReader, load_whole, replicated_local_state
+
+
+class FairscaleOSSStrategy(TorchStrategy):
+    """Worker side of fairscale "oss" / "sddp": OSS optimizers, models in DDP or ShardedDataParallel.
+
+    In local mode (no process group) nothing is wrapped and the plain torch
+    behaviour of :class:`~polytrain.backends.core.strategy.TorchStrategy` applies.
+    """
+
+    config: FairscaleConfig
+
+    # ------------------------------------------------------------ preparation
+    def make_precision(self, ctx: WorkerContext) -> Precision:
+        """Worker: fp16/bf16 with ``use_fp16``; fairscale's ShardedGradScaler for fp16 on GPU.
+
+        The scaler's inf checks span the shards.
+        """
+        scaler = None
+        if ctx.use_fp16 and ctx.device.type == "cuda" and not ctx.local_mode:
+            from fairscale.optim.grad_scaler import ShardedGradScaler
+
+            scaler = ShardedGradScaler()
+        return default_precision(ctx, cast_forward=True, scaler=scaler)
+
+    def prepare(self, components: Components, ctx: WorkerContext) -> Components:
+        """Worker: rebuild the optimizers as OSS and wrap the models for the configured mode.
+
+        In local mode (no process group) nothing is wrapped.
+        """
+        if not _sharding.shards(ctx):
+            return components
+        from fairscale.optim import OSS
+
+        def to_oss(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+            return _sharding.rebuild_optimizer(
+                optimizer,
+                factory=lambda groups, defaults: OSS(groups, optim=type(optimizer), **defaults),
+            )
+
+        _sharding.replace_optimizers(components, to_oss)
+        owners = [_sharding.owner_index(o, components.models) for o in components.optimizers]
+        components.extra[common.OWNERS] = owners
+        components.models = [
+            self._wrap(
+                model,
+                [o for o, i in zip(components.optimizers, owners, strict=True) if i == index],
+                ctx,
+            )
+            for index, model in enumerate(components.models)
+        ]
+        return components
+
+    def _wrap(
+        self, model: torch.nn.Module, optimizers: list[Any], ctx: WorkerContext
+    ) -> torch.nn.Module:
+        if not _sharding.trainable(model):
+            return model
+        if self.config.mode == "sddp" and optimizers:
+            from fairscale.nn.data_parallel import ShardedDataParallel
+
+            return ShardedDataParallel(
+                model,
+                optimizers,
+                broadcast_buffers=self.config.broadcast_buffers,
+                reduce_buffer_size=self.config.reduce_buffer_size,
+            )
+        # "oss", or a trainable model no optimizer steps: gradients all-reduced as in ddp.
+        return DistributedDataParallel(
+            model,
+            device_ids=module_device_ids(ctx),
+            **buffer_sync_kwargs(self.config.broadcast_buffers),
+        )
+
+    # ------------------------------------------------------------------- step
+    def zero_grad(self, components: Components) -> None:
+        """Worker: zero in place through ShardedDataParallel in "sddp" mode.
+
+        ``OSS.zero_grad()`` inherits torch's ``set_to_none=True``, which detaches the
+        gradients from ShardedDataParallel's reduce buckets and silently corrupts
+        training from the second step on; the wrapper's own ``zero_grad`` zeroes the
+        buckets in place.
+        """
+        from fairscale.nn.data_parallel import ShardedDataParallel
+
+        done: set[int] = set()
+        for optimizer, model in common.owned(components):
+            if isinstance(model, ShardedDataParallel):
+                if id(model) not in done:
+                    model.zero_grad()
+                    done.add(id(model))
+            else:
+                optimizer.zero_grad()
+
+    def no_sync(self, components: Components) -> contextlib.AbstractContextManager:
+        """Worker: the wrappers' ``no_sync`` (gradients accumulate locally until the next sync)."""
+        return common.no_sync(components)
+
+    # ------------------------------------------------------------------ state
+    def full_state_dict(self, components: Components, ctx: WorkerContext) -> dict[str, Any] | None:
+        """Worker (all ranks, collective): the consolidated model and optimizer states.
+
+        OSS shards are gathered on rank 0 (``consolidate_state_dict``); fairscale's
+        state is already in torch's format (integer keys in param-group order), so
+        it loads into a plain torch optimizer of the same class.
+        """
+        if not _sharding.shards(ctx):
+            return super().full_state_dict(components, ctx)
+        optimizers = fairscale_state.consolidate_oss_states(components.optimizers, ctx.world_rank)
+        if ctx.world_rank != 0:
+            return None
+        return {
+            "models": [self.unwrap_model(m).state_dict() for m in components.models],
+            "optimizers": optimizers,
+        }
+
+    def load_full_state_dict(
+        self, components: Components, state: dict[str, Any], ctx: WorkerContext
+    ) -> None:
+        """Worker (every rank): load a consolidated torch-format state; each rank keeps its shard."""
+        if not _sharding.shards(ctx):
+            super().load_full_state_dict(components, state, ctx)
+            return
+        for model, model_state in zip(components.models, state["models"], strict=True):
+            self.unwrap_model(model).load_state_dict(model_state)
+        states = _sharding.portable_optimizer_states(state.get("optimizers"))
+        if states is None:
+            return
+        for (optimizer, model), optimizer_state in zip(
+            common.owned(components), states, strict=True
+        ):
+            if optimizer_state is not None:
+                fairscale_state.load_optimizer_shard(
+                    optimizer, model, optimizer_state, fsdp_mode=False
+                )
+
+    def sharded_state_dict(self, components: Components, ctx: WorkerContext) -> LocalState:
+        """Worker: replicated models and this rank's OSS shard, as they are (no gather)."""
+        if not _sharding.shards(ctx):
+            return replicated_local_state(self, components, ctx)
+        return fairscale_state.oss_local_state(self, components, ctx)
+
+    def load_sharded_state_dict(
+        self, components: Components, reader: ShardReader, ctx: WorkerContext
+    ) -> None:
+        """Worker: whole models, and only this rank's OSS shard of each optimizer state."""
+        if not _sharding.shards(ctx):
+            load_whole(self, components, reader, ctx)
+            return
+        fairscale_state.oss_load(self, components, reader)

@@ -1,0 +1,27 @@
+"""The fsdp backend: :class:`FSDPConfig`, one process group, a strategy per version."""
+
+from __future__ import annotations
+
+from polytrain.backends.core.backend import Backend
+from polytrain.backends.core.strategy import Strategy
+from polytrain.backends.core.torch_distributed import TorchDistributedRendezvous
+from polytrain.backends.fsdp.config import FSDPConfig
+from polytrain.backends.fsdp.strategy_v1 import FSDP1Strategy
+from polytrain.backends.fsdp.strategy_v2 import FSDP2Strategy
+
+
+class FSDPBackend(Backend):
+    """PyTorch FSDP: ``fully_shard`` (FSDP2, default) or ``FullyShardedDataParallel`` (gloo / nccl)."""
+
+    name = "fsdp"
+    preload_modules = ("torch", "torch.distributed", "torch.distributed.fsdp")
+    config_cls = FSDPConfig
+    rendezvous_cls = TorchDistributedRendezvous
+    strategy_cls = FSDP2Strategy
+    config: FSDPConfig
+
+    def make_strategy(self) -> Strategy:
+        """Worker: :class:`~polytrain.backends.fsdp.strategy_v2.FSDP2Strategy` (version 2) or :class:`~polytrain.backends.fsdp.strategy_v1.FSDP1Strategy`."""
+        if self.config.version == 1:
+            return FSDP1Strategy(self.config)
+        return FSDP2Strategy(self.config)

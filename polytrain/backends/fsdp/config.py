@@ -1,0 +1,84 @@
+"""Options of the ``fsdp`` backend, both versions (what ``backend_config=`` accepts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from polytrain.backends.core.backend import BackendConfig
+from polytrain.errors import ConfigError, ConfigTypeError
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+AUTO_WRAP_POLICIES = ("size_based", "none")
+FSDP_VERSIONS = (1, 2)
+
+
+@dataclass
+class FSDPConfig(BackendConfig):
+    """Options of the ``fsdp`` backend.
+
+    Attributes:
+        version: 2 (default: ``fully_shard``, FSDP2) or 1 (``FullyShardedDataParallel``,
+            FSDP1, legacy).
+        sharding_strategy: "FULL_SHARD" (parameters, gradients and optimizer state
+            sharded; ZeRO-3, default), "SHARD_GRAD_OP" (parameters gathered from forward
+            to backward; ZeRO-2) or "NO_SHARD" (replicated, like DDP; version 1 only).
+            Version 2 maps them to ``reshard_after_forward`` True and False.
+        auto_wrap_policy: "size_based" (default: every submodule tree with at least
+            ``min_num_params`` parameters becomes its own FSDP unit, so only one unit's
+            parameters are gathered at a time) or "none" (one unit: the whole model).
+        min_num_params: the size threshold of the "size_based" policy.
+        sync_module_states: broadcast rank 0's parameters and buffers when wrapping.
+        forward_prefetch: FSDP1's flag: gather the next unit's parameters during forward
+            (True: version 1 only; FSDP2 overlaps its all-gathers by itself).
+        limit_all_gathers: FSDP1's flag: bound the memory of in-flight all-gathers
+            (False: version 1 only; FSDP2 always bounds it).
+    """
+
+    version: int = 2
+    sharding_strategy: str = "FULL_SHARD"
+    auto_wrap_policy: str = "size_based"
+    min_num_params: int = 100_000
+    sync_module_states: bool = True
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+
+    def __post_init__(self) -> None:
+        strategy = str(self.sharding_strategy).upper()
+        if strategy not in SHARDING_STRATEGIES:
+            raise ConfigError(
+                f"The provided sharding_strategy ({self.sharding_strategy!r}) is not supported. "
+                f"Must be one of {', '.join(repr(s) for s in SHARDING_STRATEGIES)}."
+            )
+        self.sharding_strategy = strategy
+        if self.auto_wrap_policy not in AUTO_WRAP_POLICIES:
+            raise ConfigError(
+                f"The provided auto_wrap_policy ({self.auto_wrap_policy!r}) is not supported. "
+                f"Must be one of {', '.join(repr(p) for p in AUTO_WRAP_POLICIES)}."
+            )
+        if isinstance(self.min_num_params, bool) or not isinstance(self.min_num_params, int):
+            raise ConfigTypeError(
+                f"min_num_params must be a positive int; got {self.min_num_params!r}."
+            )
+        if self.min_num_params < 1:
+            raise ConfigError(f"min_num_params must be a positive int; got {self.min_num_params}.")
+        self._check_version()
+
+    def _check_version(self) -> None:
+        if type(self.version) is not int or self.version not in FSDP_VERSIONS:
+            raise ConfigError(
+                f"The provided version ({self.version!r}) is not supported. Must be 2 "
+                f"(fully_shard, FSDP2; the default) or 1 (FullyShardedDataParallel, FSDP1)."
+            )
+        if self.version == 1:
+            return
+        v1_only = {
+            "sharding_strategy": ("NO_SHARD", self.sharding_strategy == "NO_SHARD"),
+            "forward_prefetch": (True, self.forward_prefetch),
+            "limit_all_gathers": (False, not self.limit_all_gathers),
+        }
+        for name, (value, given) in v1_only.items():
+            if given:
+                raise ConfigError(
+                    f"{name}={value!r} is an FSDP1 option: version 2 (fully_shard) has no such "
+                    f"setting. Add 'version': 1 to backend_config to use it, or drop it."
+                )

@@ -1,0 +1,171 @@
+"""The worker side of ``fsdp`` version 1: ``FullyShardedDataParallel`` (legacy)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+
+from polytrain.backends.core import sharding as _sharding
+from polytrain.backends.core.context import Components, WorkerContext
+from polytrain.backends.core.precision import Precision, default_precision
+from polytrain.backends.core.strategy import TorchStrategy
+from polytrain.backends.fsdp import state_v1 as fsdp_state
+from polytrain.backends.fsdp.common import ShardedStates, broadcast_from_rank0
+from polytrain.backends.fsdp.config import FSDPConfig
+from polytrain.checkpoint.pieces import LocalState, ShardReader, load_whole, replicated_local_state
+
+
+class FSDP1Strategy(TorchStrategy):
+    """Worker side of ``fsdp`` version 1: models wrapped in FSDP1, optimizers over their shards.
+
+    In local mode (no process group) nothing is wrapped and the plain torch
+    behaviour of :class:`~polytrain.backends.core.strategy.TorchStrategy` applies.
+    The optimizers and the checkpoint code are shared with FSDP2 through
+    :class:`~polytrain.backends.fsdp.common.ShardedStates`; this class is the FSDP1
+    :class:`~polytrain.backends.fsdp.common.FSDPVersion` it is given.
+    """
+
+    config: FSDPConfig
+    loaded_state_layout: Any = None  # FSDP1's optimizer state is read back as it is
+
+    def __init__(self, config: FSDPConfig | None = None) -> None:
+        super().__init__(config if config is not None else FSDPConfig())
+        self.states = ShardedStates(self)
+
+    # ------------------------------------------------------------ preparation
+    def make_precision(self, ctx: WorkerContext) -> Precision:
+        """Worker: fp16/bf16 with ``use_fp16``; FSDP's ShardedGradScaler for fp16 on GPU.
+
+        The scaler's inf checks span the shards. When the models are sharded, FSDP's
+        MixedPrecision casts parameters and inputs itself: the forward runs without
+        autocast.
+        """
+        scaler = None
+        if ctx.use_fp16 and ctx.device.type == "cuda" and not ctx.local_mode:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            scaler = ShardedGradScaler()
+        return default_precision(ctx, cast_forward=not _sharding.shards(ctx), scaler=scaler)
+
+    def prepare(self, components: Components, ctx: WorkerContext) -> Components:
+        """Worker: wrap every trainable model in FSDP; rebuild the optimizers over its shards.
+
+        In local mode (no process group) nothing is wrapped.
+        """
+        if not _sharding.shards(ctx):
+            return components
+        return self.states.prepare(components, ctx)
+
+    def wrap(self, model: torch.nn.Module, ctx: WorkerContext) -> torch.nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+        sync = self.config.sync_module_states
+        if sync and ctx.device.type == "cpu":
+            # FSDP's own sync_module_states insists on an accelerator: broadcast here.
+            broadcast_from_rank0(model)
+            sync = False
+        policy = None
+        if self.config.auto_wrap_policy == "size_based":
+            policy = functools.partial(
+                size_based_auto_wrap_policy, min_num_params=self.config.min_num_params
+            )
+        return FullyShardedDataParallel(
+            model,
+            sharding_strategy=ShardingStrategy[self.config.sharding_strategy],
+            auto_wrap_policy=policy,
+            mixed_precision=self._mixed_precision(ctx),
+            device_id=ctx.device,
+            sync_module_states=sync,
+            forward_prefetch=self.config.forward_prefetch,
+            limit_all_gathers=self.config.limit_all_gathers,
+            use_orig_params=True,
+        )
+
+    @staticmethod
+    def _mixed_precision(ctx: WorkerContext) -> Any:
+        if not ctx.use_fp16:
+            return None
+        from torch.distributed.fsdp import MixedPrecision
+
+        # fp16 on GPU (with a ShardedGradScaler); bf16 on CPU, where fp16 kernels are slow
+        # or missing. Buffers (e.g. BatchNorm statistics) stay in full precision.
+        dtype = torch.float16 if ctx.device.type == "cuda" else torch.bfloat16
+        return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype)
+
+    # ------------------------------------------------------------------- step
+    def no_sync(self, components: Components) -> contextlib.AbstractContextManager:
+        """Worker: FSDP's ``no_sync`` (unsharded gradients accumulate until the next sync)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        stack = contextlib.ExitStack()
+        for model in components.models:
+            if isinstance(model, FullyShardedDataParallel):
+                stack.enter_context(model.no_sync())
+        return stack
+
+    # ------------------------------------------------------------------ state
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Worker: the user's module (its submodules may still hold nested FSDP units)."""
+        return getattr(model, "module", model)
+
+    def full_state_dict(self, components: Components, ctx: WorkerContext) -> dict[str, Any] | None:
+        """Worker (all ranks, collective): full model and optimizer states, in torch's format.
+
+        On GPU the gathered tensors are offloaded to CPU and only rank 0 keeps them;
+        on CPU every rank materialises them briefly (torch's CPU offload path crashes
+        when the tensors already are on the CPU).
+        """
+        if not _sharding.shards(ctx):
+            return super().full_state_dict(components, ctx)
+        return self.states.full_state_dict(components, ctx)
+
+    def load_full_state_dict(
+        self, components: Components, state: dict[str, Any], ctx: WorkerContext
+    ) -> None:
+        """Worker (every rank, collective): load a full torch-format state; each rank keeps its shard."""
+        if not _sharding.shards(ctx):
+            super().load_full_state_dict(components, state, ctx)
+            return
+        self.states.load_full_state_dict(components, state, ctx)
+
+    def sharded_state_dict(self, components: Components, ctx: WorkerContext) -> LocalState:
+        """Worker: this rank's shards of the models and optimizers, as they are (no gather).
+
+        See :mod:`polytrain.backends.fsdp.state_v1`.
+        """
+        if not _sharding.shards(ctx):
+            return replicated_local_state(self, components, ctx)
+        return self.states.sharded_state_dict(components, ctx)
+
+    def load_sharded_state_dict(
+        self, components: Components, reader: ShardReader, ctx: WorkerContext
+    ) -> None:
+        """Worker: read only this rank's ranges of a sharded checkpoint from any backend."""
+        if not _sharding.shards(ctx):
+            load_whole(self, components, reader, ctx)
+            return
+        self.states.load_sharded_state_dict(components, reader, ctx)
+
+    # ------------------------------------------------- the FSDPVersion protocol
+    def is_sharded(self, model: torch.nn.Module) -> bool:
+        """Whether :meth:`prepare` wrapped ``model``."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return isinstance(model, FullyShardedDataParallel)
+
+    def ranges(self, model: torch.nn.Module) -> dict[int, fsdp_state.ParamRange] | None:
+        """This rank's range of every parameter of a sharded ``model``."""
+        return fsdp_state.fsdp1_ranges(model)
+
+    def state_dict_options(self, ctx: WorkerContext, saving: bool) -> Any:
+        """Full state dicts, offloaded to CPU when saving on GPU."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        # On CPU, FSDP1's offload path crashes on tensors that already are on the CPU.
+        return StateDictOptions(
+            full_state_dict=True, cpu_offload=saving and ctx.device.type == "cuda"
+        )

@@ -1,0 +1,52 @@
+"""The horovod backend: :class:`HorovodConfig`, :class:`HorovodRendezvous` and :class:`HorovodStrategy`."""
+
+from __future__ import annotations
+
+from polytrain.backends.core.backend import Backend
+from polytrain.backends.horovod.config import HorovodConfig
+from polytrain.backends.horovod.rendezvous import (
+    HorovodRendezvous,
+    _interface_with_address,  # noqa: F401 - re-exported: the driver-side interface lookup
+)
+from polytrain.backends.horovod.strategy import HorovodStrategy
+from polytrain.errors import ConfigError
+
+
+class HorovodBackend(Backend):
+    """Data parallelism with Horovod's ring-allreduce and ``hvd.DistributedOptimizer``.
+
+    The workers are the worker group's actors; the driver hosts Horovod's gloo
+    rendezvous server (on the :class:`HorovodRendezvous`, one per worker group:
+    the backend itself holds only its config and travels to the workers). Models
+    stay unwrapped (Horovod hooks the optimizer), so checkpoints are plain torch
+    state dicts that load under any backend.
+    """
+
+    name = "horovod"
+    preload_modules = ("torch", "torch.distributed", "horovod.torch")
+    framework = "torch"
+    config_cls = HorovodConfig
+    rendezvous_cls = HorovodRendezvous
+    strategy_cls = HorovodStrategy
+    config: HorovodConfig
+
+    #: Stage GPU tensors through host memory even if Horovod can handle CUDA tensors.
+    force_host_staging: bool = False
+
+    def validate_settings(self, *, num_workers: int, use_gpu: bool, use_fp16: bool) -> None:
+        """Driver: refuse Adasum, which Horovod runs only over MPI (this backend uses gloo).
+
+        Raises:
+            ConfigError: ``op="adasum"``.
+        """
+        if self.config.op == "adasum":
+            raise ConfigError(
+                "The provided op ('adasum') is not supported by the horovod backend: Horovod "
+                "implements Adasum only on top of MPI (launched by horovodrun/mpirun), and "
+                "polytrain's workers rendezvous through Horovod's gloo controller ('No Adasum "
+                "operation enabled'). Use op='average' (the default) or op='sum'."
+            )
+
+    def make_strategy(self) -> HorovodStrategy:
+        """Worker: a :class:`HorovodStrategy` that honours :attr:`force_host_staging`."""
+        return HorovodStrategy(self.config, force_host_staging=self.force_host_staging)

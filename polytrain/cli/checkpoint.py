@@ -1,0 +1,64 @@
+"""``polytrain checkpoint``: convert and inspect checkpoints offline (no Ray, no workers).
+
+::
+
+    polytrain checkpoint convert runs/ckpt/checkpoint_000003 model.pt      # directory -> one file
+    polytrain checkpoint convert model.pt runs/converted --shards 4        # file -> directory
+    polytrain checkpoint inspect runs/ckpt/checkpoint_000003
+
+A checkpoint directory (written by the workers, sharded under fairscale, fsdp
+and deepspeed) and a consolidated file (``trainer.save()``) hold the same
+state; either loads under every backend at any world size with
+``trainer.load(path)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from polytrain.cli.commands import EXIT_OK
+from polytrain.errors import ConfigError
+
+__all__ = ["add_checkpoint", "cmd_checkpoint"]
+
+
+def add_checkpoint(sub: argparse._SubParsersAction) -> None:
+    """Register the ``checkpoint`` subcommand on the ``polytrain`` parser."""
+    parser = sub.add_parser("checkpoint", help="convert or inspect checkpoints (offline)")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    convert = actions.add_parser(
+        "convert",
+        help="checkpoint directory <-> consolidated file",
+        description="Convert a checkpoint directory (sharded or not) into one consolidated "
+        "file, or a consolidated file into a directory. The direction follows SRC.",
+    )
+    convert.add_argument("src", help="a checkpoint directory or a file written by trainer.save()")
+    convert.add_argument("dst", help="the file (or new directory) to write")
+    convert.add_argument(
+        "--shards", type=int, default=1, help="rank files of a new directory (default: 1)"
+    )
+    convert.set_defaults(func=cmd_checkpoint)
+    inspect = actions.add_parser("inspect", help="summarise a checkpoint file or directory")
+    inspect.add_argument("path", help="a checkpoint directory or file")
+    inspect.set_defaults(func=cmd_checkpoint)
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    """Run ``polytrain checkpoint convert|inspect``; prints the result as JSON."""
+    from polytrain.checkpoint import convert
+    from polytrain.checkpoint.layout import is_checkpoint_dir
+
+    if args.action == "inspect":
+        print(json.dumps(convert.describe(args.path), indent=1, default=str))
+        return EXIT_OK
+    if args.shards < 1:
+        raise ConfigError(f"--shards must be >= 1; got {args.shards}.")
+    if is_checkpoint_dir(args.src):
+        written = convert.to_consolidated(args.src, args.dst)
+        kind = "consolidated file"
+    else:
+        written = convert.to_sharded(args.src, args.dst, args.shards)
+        kind = f"checkpoint directory ({args.shards} rank file(s))"
+    print(f"wrote {kind}: {written}")
+    return EXIT_OK

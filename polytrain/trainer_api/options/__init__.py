@@ -1,0 +1,1 @@
+"""A trainer's options: typed option groups and YAML run configs."""

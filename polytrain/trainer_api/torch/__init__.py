@@ -1,0 +1,1 @@
+"""TorchTrainer: the driver side, the worker entry points, the operator, torch checkpoints."""

@@ -1,0 +1,378 @@
+"""The worker-side training loop, and the class users subclass to customise it.
+
+A :class:`TrainingOperator` runs inside every worker. The default
+:meth:`~TrainingOperator.train_batch` is forward / loss / backward / step on a
+``(features, target)`` batch; override it (and :meth:`validate_batch`) for GANs,
+multiple losses or any other step. Whatever differs between backends (how to
+back-propagate, step, skip gradient sync, autocast) is reached through the
+operator's methods, which ask the backend's worker-side strategy: a custom
+operator written once runs on every backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from polytrain.backends.core.backend import Backend
+from polytrain.backends.core.context import Components, WorkerContext
+from polytrain.backends.core.strategy import TorchStrategy
+from polytrain.errors import PolytrainError
+from polytrain.launchers.worker import report_progress
+from polytrain.trainer_api.data.loaders import move_to_device
+from polytrain.trainer_api.profiling import PhaseTimer
+from polytrain.trainer_api.results import is_finite_number
+
+
+class NonFiniteLossError(PolytrainError, FloatingPointError):
+    """The loss became NaN or infinite (fail-fast; disable with ``check_finite_loss=False``)."""
+
+
+class TrainingOperator:
+    """The per-worker training logic.
+
+    Attributes available in every hook: ``model``/``models``, ``optimizer``/
+    ``optimizers``, ``criterion``, ``scheduler``/``schedulers``, ``train_loader``,
+    ``val_loader``, ``config`` (this worker's config: ``batch_size`` is the
+    per-worker batch), ``device``, ``world_rank``, ``world_size``, ``use_fp16``,
+    ``backend`` (the :class:`~polytrain.backends.core.backend.Backend`: name and options) and
+    ``strategy`` (its worker side, which the helpers below call).
+    """
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        components: Components,
+        backend: Backend,
+        context: WorkerContext,
+        scheduler_step_freq: str = "batch",
+        check_finite_loss: bool = True,
+        strategy: TorchStrategy | None = None,
+    ) -> None:
+        self.config = config
+        self.components = components
+        self.backend = backend
+        self.strategy: TorchStrategy = strategy or backend.make_strategy()
+        self.context = context
+        self.scheduler_step_freq = scheduler_step_freq
+        self.check_finite_loss = check_finite_loss
+        self.global_step = 0
+        self.last_val_loss: float | None = None
+        #: Times the phases of the current call when it was made with ``profile=True``.
+        self.timer = PhaseTimer()
+
+    # ----------------------------------------------------------- user hooks
+    def setup(self, config: dict[str, Any]) -> None:
+        """Called once on every worker after the components are built and prepared."""
+
+    def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        """One optimisation step on one batch; returns metrics including ``num_samples``.
+
+        The default expects ``(features, target)`` or ``(*features, target)``.
+        """
+        *features, target = batch
+        with self.autocast():
+            output = self.model(*features)
+            loss = self.criterion(output, target)
+        self.zero_grad()
+        self.backward(loss)
+        self.step()
+        return {"loss": loss.item(), "num_samples": _batch_len(target)}
+
+    def validate_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
+        """Evaluate one batch; returns ``val_loss``, ``num_samples`` and, for class logits, ``val_accuracy``."""
+        *features, target = batch
+        with self.autocast():
+            output = self.model(*features)
+            loss = self.criterion(output, target)
+        stats = {"val_loss": loss.item(), "num_samples": _batch_len(target)}
+        if (
+            isinstance(output, torch.Tensor)
+            and output.dim() == 2
+            and isinstance(target, torch.Tensor)
+            and target.dim() == 1
+            and not target.is_floating_point()
+        ):
+            stats["val_accuracy"] = (output.argmax(dim=1) == target).float().mean().item()
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        """Extra state of a custom operator to keep in checkpoints (tensors and plain types)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    # ------------------------------------------------- backend-aware helpers
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed-precision context for the forward pass (a no-op unless ``use_fp16``)."""
+        return self.strategy.autocast(self.components)
+
+    def zero_grad(self) -> None:
+        """Clear gradients the way the backend needs it (``step_s`` of a profile)."""
+        with self.timer.phase("step"):
+            self.strategy.zero_grad(self.components)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate through the backend (scaling, engines, allreduce hooks; ``backward_s``)."""
+        with self.timer.phase("backward"):
+            self.strategy.backward(loss, self.components)
+
+    def step(self, optimizer_index: int | None = None) -> None:
+        """Apply gradients through the backend (``step_s`` of a profile)."""
+        with self.timer.phase("step"):
+            self.strategy.step(self.components, optimizer_index)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Context for gradient accumulation: backward passes inside it do not synchronise."""
+        return self.strategy.no_sync(self.components)
+
+    def to_device(self, batch: Any) -> Any:
+        """Move every tensor in ``batch`` to this worker's device."""
+        return move_to_device(batch, self.device)
+
+    # ------------------------------------------------------------ the loops
+    def train_epoch(self, iterator: Iterable, info: dict[str, Any]) -> dict[str, Any]:
+        """Run :meth:`train_batch` over ``iterator``; returns this worker's metrics for the call.
+
+        ``iterator`` yields this call's batches: the rest of the epoch, or at most
+        ``info["num_steps"]``, continuing where the previous call stopped (it ends
+        early at the end of the epoch). ``info`` holds ``epoch_idx`` (also as
+        ``epoch``), ``num_steps`` and whatever the driver passed to ``train(info=...)``;
+        each batch's ``batch_info`` adds ``batch_idx`` (the batch's index in the
+        epoch) and ``global_step``.
+        """
+        self._set_train_mode(True)
+        num_steps = info.get("num_steps")
+        epoch = info.get("epoch_idx", info.get("epoch"))
+        total = _expected_steps(iterator, num_steps)
+        first_idx = int(info.get("first_batch_idx", 0))
+        tally = _Tally()
+        report_progress(0, total, phase="train", epoch=epoch)
+        for batch in iterator:
+            if num_steps is not None and tally.steps >= num_steps:
+                break
+            batch_idx = first_idx + tally.steps
+            with self.timer.phase("data"):
+                batch = self.to_device(batch)
+            batch_info = {
+                **info,
+                "batch_idx": batch_idx,
+                "epoch_idx": epoch,
+                "global_step": self.global_step,
+            }
+            with self.timer.phase("batch"):
+                metrics = self.train_batch(batch, batch_info) or {}
+            self._check_loss(metrics, epoch, batch_idx)
+            tally.add(metrics)
+            self.global_step += 1
+            if self.scheduler_step_freq == "batch":
+                self._step_schedulers()
+            report_progress(
+                tally.steps, total, phase="train", epoch=epoch, loss=metrics.get("loss")
+            )
+        if tally.steps == 0:
+            raise ValueError(
+                f"The training data loader of rank {self.world_rank} yielded no batches "
+                f"(per-worker batch_size={self.config.get('batch_size')}, "
+                f"len(loader)={_safe_len(self.train_loader)}). Give the data_creator more "
+                f"data, lower batch_size, or set drop_last=False."
+            )
+        if self.scheduler_step_freq == "epoch" and _ends_epoch(iterator):
+            self._step_schedulers()
+        report_progress(tally.steps, total, phase="idle", epoch=epoch)
+        return tally.result("epoch_time_s")
+
+    def _check_loss(self, metrics: dict[str, Any], epoch: Any, batch_idx: int) -> None:
+        if not (self.check_finite_loss and "loss" in metrics):
+            return
+        if not is_finite_number(float(metrics["loss"])):
+            raise NonFiniteLossError(
+                f"Loss became {metrics['loss']} at epoch {epoch}, step {batch_idx} (global "
+                f"step {self.global_step}) on rank {self.world_rank}. Lower the learning rate, "
+                f"check the data for NaN/inf, or pass check_finite_loss=False to the trainer "
+                f"to continue anyway."
+            )
+
+    def validate(self, iterator: Iterable, info: dict[str, Any]) -> dict[str, Any]:
+        """Run :meth:`validate_batch` over ``iterator`` without gradients; returns metrics.
+
+        ``info["num_steps"]`` (None: all of it) caps the batches evaluated.
+        """
+        self._set_train_mode(False)
+        num_steps = info.get("num_steps")
+        tally = _Tally()
+        with torch.no_grad():
+            batches = iter(iterator)
+            while num_steps is None or tally.steps < num_steps:
+                with self.timer.phase("data"):
+                    batch = next(batches, _END)
+                    if batch is _END:
+                        break
+                    batch = self.to_device(batch)
+                with self.timer.phase("batch"):
+                    metrics = self.validate_batch(batch, {**info, "batch_idx": tally.steps})
+                tally.add(metrics or {})
+                report_progress(tally.steps, None, phase="validate")
+        result = tally.result("time_s")
+        report_progress(0, None, phase="idle")
+        if "val_loss" in result:
+            self.last_val_loss = result["val_loss"]
+        return result
+
+    def _set_train_mode(self, training: bool) -> None:
+        for model in self.models:
+            model.train(training)
+
+    def _step_schedulers(self) -> None:
+        for scheduler in self.schedulers:
+            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                if self.last_val_loss is not None:
+                    scheduler.step(self.last_val_loss)
+            else:
+                scheduler.step()
+
+    # ------------------------------------------------------------ accessors
+    @property
+    def model(self) -> torch.nn.Module:
+        """The first (prepared) model."""
+        return self.components.models[0]
+
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        """All prepared models."""
+        return self.components.models
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The first optimizer."""
+        return self.components.optimizers[0]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """All optimizers."""
+        return self.components.optimizers
+
+    @property
+    def criterion(self) -> Any:
+        """The loss function built by ``loss_creator``."""
+        return self.components.criterion
+
+    @property
+    def scheduler(self) -> Any:
+        """The first scheduler, or None."""
+        return self.components.schedulers[0] if self.components.schedulers else None
+
+    @property
+    def schedulers(self) -> list[Any]:
+        """All schedulers."""
+        return self.components.schedulers
+
+    @property
+    def train_loader(self) -> Any:
+        """This worker's training loader (with its distributed sampler)."""
+        return self.components.train_loader
+
+    @property
+    def val_loader(self) -> Any:
+        """This worker's validation loader, or None."""
+        return self.components.val_loader
+
+    @property
+    def device(self) -> torch.device:
+        """This worker's device."""
+        return self.context.device
+
+    @property
+    def world_rank(self) -> int:
+        """This worker's rank in the group."""
+        return self.context.world_rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers."""
+        return self.context.world_size
+
+    @property
+    def use_fp16(self) -> bool:
+        """Whether mixed precision is on."""
+        return self.context.use_fp16
+
+
+def _batch_len(target: Any) -> int:
+    if isinstance(target, torch.Tensor) and target.dim() > 0:
+        return int(target.shape[0])
+    try:
+        return len(target)
+    except TypeError:
+        return 1
+
+
+_END = object()
+
+
+def _expected_steps(iterator: Any, num_steps: int | None) -> int | None:
+    total = _safe_len(iterator)
+    if num_steps is not None:
+        total = num_steps if total is None else min(total, num_steps)
+    return total
+
+
+def _ends_epoch(iterator: Any) -> bool:
+    """Whether this call's batches reached the end of the epoch (a plain iterable: yes)."""
+    ends_epoch = getattr(iterator, "ends_epoch", None)
+    return ends_epoch() if callable(ends_epoch) else True
+
+
+class _Tally:
+    """Sample-weighted sums of a call's batch metrics."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.other: dict[str, Any] = {}
+        self.samples = 0
+        self.steps = 0
+        self.start = time.perf_counter()
+
+    def add(self, metrics: dict[str, Any]) -> None:
+        n = int(metrics.get("num_samples", 1)) if metrics else 1
+        _accumulate(metrics, n, self.sums, self.other)
+        self.samples += n
+        self.steps += 1
+
+    def result(self, time_key: str) -> dict[str, Any]:
+        result = {key: value / max(self.samples, 1) for key, value in self.sums.items()}
+        result.update(self.other)
+        result.update(
+            {
+                "num_samples": self.samples,
+                "num_steps": self.steps,
+                time_key: time.perf_counter() - self.start,
+            }
+        )
+        return result
+
+
+def _safe_len(iterable: Any) -> int | None:
+    try:
+        return len(iterable)
+    except TypeError:
+        return None
+
+
+def _accumulate(
+    metrics: dict[str, Any], n: int, sums: dict[str, float], other: dict[str, Any]
+) -> None:
+    for key, value in metrics.items():
+        if key == "num_samples":
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            sums[key] = sums.get(key, 0.0) + float(value) * n
+        else:
+            other[key] = value

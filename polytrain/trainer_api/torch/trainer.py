@@ -1,0 +1,387 @@
+"""TorchTrainer: train PyTorch creators on any torch backend with one flag."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from polytrain.backends.core.backend import Backend
+from polytrain.errors import ConfigError
+from polytrain.launchers.base import WorkerGroup
+from polytrain.launchers.ranks import split_batch_size
+from polytrain.trainer_api.checkpointing.step_plans import train_in_chunks
+from polytrain.trainer_api.creators import TorchCreators
+from polytrain.trainer_api.data import ray_data
+from polytrain.trainer_api.options.configs import (
+    CheckpointConfig,
+    FailureConfig,
+    ScalingConfig,
+)
+from polytrain.trainer_api.profiling import reduce_profiles
+from polytrain.trainer_api.results import reduce_worker_stats
+from polytrain.trainer_api.torch import checkpoint as checkpoint_torch
+from polytrain.trainer_api.torch import worker as torch_worker
+from polytrain.trainer_api.torch.calls import check_call_options, driver_keys, operator_class
+from polytrain.trainer_api.torch.operator import TrainingOperator
+from polytrain.trainer_api.trainer import BaseTrainer
+
+#: The parts of a checkpoint dict the workers load (the rest is the envelope).
+_STATE_KEYS = ("models", "optimizers", "schedulers", "scaler", "operator", "global_step")
+
+
+class TorchTrainer(BaseTrainer):
+    """Train a PyTorch model on Ray workers with any torch backend.
+
+    Example:
+        >>> trainer = TorchTrainer(
+        ...     model_creator=lambda config: torch.nn.Linear(64, 10),
+        ...     data_creator=digits_creator,
+        ...     optimizer_creator=lambda model, config: torch.optim.SGD(model.parameters(), lr=config["lr"]),
+        ...     loss_creator=torch.nn.CrossEntropyLoss,
+        ...     config={"lr": 0.1, "batch_size": 64},
+        ...     num_workers=2, backend="ddp")
+        >>> stats = trainer.train()
+        >>> trainer.save("ckpt.pt"); trainer.shutdown()
+
+    Args:
+        model_creator: ``config -> nn.Module`` (or a tuple of modules).
+        data_creator: ``config -> train_loader`` or ``(train_loader, val_loader)``. It is
+            called on every worker with ``config["batch_size"]`` set to the per-worker
+            batch: the global ``batch_size // num_workers`` (the remainder is dropped,
+            with a warning). A ``DistributedSampler`` is added to the loaders unless
+            ``add_dist_sampler=False``. Leave it out when ``datasets`` is given.
+        optimizer_creator: ``(model, config) -> Optimizer`` (or a tuple); gets the tuple
+            of models when ``model_creator`` returns several.
+        loss_creator: a loss class (``torch.nn.CrossEntropyLoss``) or ``config -> callable``.
+        scheduler_creator: ``(optimizer, config) -> scheduler``, optional.
+        training_operator_cls: a :class:`TrainingOperator` subclass for custom steps.
+        config: the user's hyperparameters; ``batch_size`` is the global batch.
+        num_workers: shortcut for ``scaling_config.num_workers`` (0 = local mode).
+        use_gpu: shortcut for ``scaling_config.use_gpu``.
+        num_cpus_per_worker: shortcut for ``scaling_config.num_cpus_per_worker``.
+        backend: a backend name or alias (see :func:`polytrain.available_backends`) or a
+            :class:`~polytrain.backends.Backend` instance.
+        backend_config: the backend's typed config, or a dict of its fields.
+        use_fp16: mixed precision (fp16 + GradScaler on GPU, bf16 autocast on CPU).
+        use_tqdm: show rank 0's progress as a bar on the driver.
+        scheduler_step_freq: "batch", "epoch" or "manual" (your operator steps it).
+        add_dist_sampler: give the loaders a distributed sampler.
+        check_finite_loss: raise at the first NaN/inf loss, naming step and rank.
+        scaling_config: :class:`ScalingConfig` (or dict): workers, resources, placement.
+        failure_config: :class:`FailureConfig` (or dict): retries, hang detection.
+        checkpoint_config: :class:`CheckpointConfig` (or dict): where checkpoints go.
+        init_hook: a function of no arguments run on every worker after it starts (and
+            after a restart), before the process group and the creators (RaySGD's
+            ``initialization_hook``).
+        loggers: experiment trackers (Logger instances or "tensorboard", "mlflow",
+            "wandb", "csv") that get the reduced metrics of every call.
+        datasets: Ray Data input instead of ``data_creator``: ``{"train": ds, "val": ds}``
+            (``ray.data.Dataset``), split between the workers with ``streaming_split``;
+            batches are tuples of the columns in order, label last (see
+            :mod:`polytrain.trainer_api.data.ray_data`).
+    """
+
+    framework = "torch"
+    checkpoint_worker_module = checkpoint_torch
+
+    def __init__(
+        self,
+        *,
+        model_creator: Callable[[dict], Any],
+        data_creator: Callable[[dict], Any] | None = None,
+        optimizer_creator: Callable[[Any, dict], Any],
+        loss_creator: Any = None,
+        scheduler_creator: Callable[[Any, dict], Any] | None = None,
+        training_operator_cls: type[TrainingOperator] | None = None,
+        config: dict[str, Any] | None = None,
+        num_workers: int | None = None,
+        use_gpu: bool | None = None,
+        num_cpus_per_worker: float | None = None,
+        backend: str | Backend = "ddp",
+        backend_config: Any = None,
+        use_fp16: bool = False,
+        use_tqdm: bool = False,
+        scheduler_step_freq: str = "batch",
+        add_dist_sampler: bool = True,
+        check_finite_loss: bool = True,
+        scaling_config: ScalingConfig | dict | None = None,
+        failure_config: FailureConfig | dict | None = None,
+        checkpoint_config: CheckpointConfig | dict | None = None,
+        init_hook: Callable[[], None] | None = None,
+        loggers: Any = None,
+        datasets: dict[str, Any] | None = None,
+    ) -> None:
+        self.datasets = ray_data.check_datasets(datasets, data_creator)
+        if self.datasets is not None:
+            data_creator = ray_data.shard_loaders
+        self.operator_cls = operator_class(training_operator_cls, scheduler_step_freq)
+        self.creators = TorchCreators(
+            model_creator, data_creator, optimizer_creator, loss_creator, scheduler_creator
+        )
+        if loss_creator is None and self.operator_cls.train_batch is TrainingOperator.train_batch:
+            raise ConfigError(
+                "loss_creator is required by the default training step; pass one (e.g. "
+                "torch.nn.CrossEntropyLoss) or a training_operator_cls that overrides train_batch."
+            )
+        super().__init__(
+            backend=backend,
+            backend_config=backend_config,
+            config=config,
+            num_workers=num_workers,
+            use_gpu=use_gpu,
+            num_cpus_per_worker=num_cpus_per_worker,
+            scaling_config=scaling_config,
+            failure_config=failure_config,
+            checkpoint_config=checkpoint_config,
+            use_fp16=use_fp16,
+            use_tqdm=use_tqdm,
+            init_hook=init_hook,
+            loggers=loggers,
+        )
+        # Validates the global batch against the worker count (and warns on a remainder).
+        self.worker_config = self._per_worker_config(self.config, self.scaling.num_workers)
+        self.scheduler_step_freq = scheduler_step_freq
+        self.add_dist_sampler = add_dist_sampler
+        self.check_finite_loss = check_finite_loss
+        self._start()
+
+    @staticmethod
+    def _per_worker_config(
+        config: dict[str, Any], num_workers: int, warn: bool = True
+    ) -> dict[str, Any]:
+        """``config`` with ``batch_size`` (the global batch, already checked) split between workers."""
+        worker_config = dict(config)
+        if "batch_size" in config:
+            global_batch = config["batch_size"]
+            per_worker = split_batch_size(global_batch, num_workers)
+            if warn and num_workers > 1 and global_batch % num_workers:
+                warnings.warn(
+                    f"batch_size={global_batch} does not divide by num_workers={num_workers}: "
+                    f"each worker uses {per_worker}, so the effective global batch is "
+                    f"{per_worker * num_workers}.",
+                    stacklevel=3,
+                )
+            worker_config["batch_size"] = per_worker
+        return worker_config
+
+    # ------------------------------------------------------------- workers
+    def _setup_workers(self, group: WorkerGroup) -> None:
+        if self.datasets is not None:  # a fresh split for every group: no stale coordinator
+            shards = ray_data.split(self.datasets, len(group))
+            group.get(
+                [
+                    group.execute_single_async(rank, ray_data.receive_shards, shard)
+                    for rank, shard in enumerate(shards)
+                ]
+            )
+        setup = torch_worker.WorkerSetup(
+            creators=self.creators,
+            operator_cls=self.operator_cls,
+            backend=self.backend,
+            config=self._per_worker_config(self.config, len(group), warn=False),
+            context=self._context_template(),
+            scheduler_step_freq=self.scheduler_step_freq,
+            add_dist_sampler=self.add_dist_sampler,
+            check_finite_loss=self.check_finite_loss,
+        )
+        refs = [
+            group.execute_single_async(rank, torch_worker.setup_worker, setup, info, device)
+            for rank, (info, device) in enumerate(
+                zip(group.rank_infos, group.device_indices, strict=True)
+            )
+        ]
+        group.get(refs)
+
+    def _load_state_file(self, path: str) -> None:
+        # Workers that all see the file (rank 0 wrote it on this node) read it themselves.
+        if all(self._run(torch_worker.sees_file, path)):
+            self._run(torch_worker.load_state_file, path)
+        else:
+            super()._load_state_file(path)
+
+    def _worker_state(self) -> dict[str, Any]:
+        return self._run(torch_worker.get_state, self.epoch)[0]
+
+    def _load_worker_state(self, state: dict[str, Any]) -> None:
+        payload = {key: state[key] for key in _STATE_KEYS if key in state}
+        self._run(torch_worker.load_state, self._share(payload))
+
+    # ------------------------------------------------------------ training
+    def train(
+        self,
+        num_steps: int | None = None,
+        info: dict[str, Any] | None = None,
+        *,
+        profile: bool = False,
+        reduce_results: bool = True,
+        max_retries: int | None = None,
+        end_epoch: bool = False,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Train the rest of the current epoch, or ``num_steps`` batches of it, on every worker.
+
+        Calls continue the epoch where the previous one stopped: the workers keep
+        their loader's iterator, and the epoch ends (the sampler moves on to the
+        next shuffle) only when the loader is exhausted. A call that reaches the
+        end of the epoch stops there, with fewer than ``num_steps`` batches, as in
+        RaySGD; so ``for _ in range(k): trainer.train(num_steps=100)`` walks
+        through the epochs, and ``train()`` finishes the current one.
+
+        Args:
+            num_steps: at most this many batches (per worker); None: to the end of the epoch.
+            info: passed to the operator's ``train_epoch`` and every ``train_batch``.
+            profile: add ``profile``: the time per phase (``data_s``, ``forward_s``,
+                ``backward_s``, ``step_s``, ``other_s``, ``total_s``, the mean over the
+                workers; ``capture_s``, ``reduce_s``, ``driver_s``), see
+                :mod:`polytrain.trainer_api.profiling`.
+            reduce_results: False returns every worker's own metrics, a list in rank order.
+            max_retries: restarts allowed for this call after a lost or hung worker,
+                instead of ``failure_config.max_retries`` (RaySGD's per-call option).
+            end_epoch: end the epoch after this call even if the loader has batches left:
+                a shortened epoch (like Lightning's ``limit_train_batches``); the next
+                call starts the next epoch with its new shuffle. ``train(num_steps=N,
+                end_epoch=True)`` is an epoch of at most N batches.
+
+        Returns:
+            Metrics reduced over workers, weighted by sample count: ``epoch`` (the
+            epoch the batches belonged to, from 0), ``loss``, ``num_samples``,
+            ``num_steps``, ``samples_per_s``, ``epoch_time_s`` (this call's time),
+            ``num_restarts``, ``num_workers``, ``checkpoint_path`` (when the call ended
+            an epoch with a ``checkpoint_dir``) and whatever a custom operator's
+            ``train_batch`` returns.
+        """
+        check_call_options(num_steps, info)
+        self._begin_call(max_retries)
+
+        def once(steps: int | None, ends: bool, due: bool) -> Any:
+            return self._train_once(steps, info, profile, ends, max_retries, due)
+
+        if self._step_plan.active and self._keeps_state:
+            stats, pieces = train_in_chunks(self._step_plan, once, num_steps, end_epoch)
+            results = pieces[-1]
+        else:
+            stats, results, _, _ = once(num_steps, end_epoch, False)
+        self._log("train", stats)
+        return stats if reduce_results else self._raw(results, stats)
+
+    def _train_once(
+        self,
+        num_steps: int | None,
+        info: dict[str, Any] | None,
+        profile: bool,
+        end_epoch: bool,
+        max_retries: int | None,
+        checkpoint_due: bool,
+    ) -> tuple[dict[str, Any], list[dict[str, Any]], bool, bool]:
+        """One worker call: ``(stats, per-worker results, wrote a checkpoint, epoch ended)``."""
+        start = time.perf_counter()
+        results = self._run(
+            torch_worker.train_epoch,
+            progress=f"epoch {self.epoch}",
+            max_retries=max_retries,
+            args_fn=lambda: (
+                self._train_call(num_steps, info, profile, end_epoch, checkpoint_due),
+            ),
+        )
+        state, path, cursor, written = driver_keys(results)
+        stats = self._reduce(results, start)
+        self._end_call(stats, cursor)
+        if written[0] is not None:  # the workers wrote a checkpoint directory
+            self._keep_checkpoint(stats, written)
+        else:
+            self._keep_state(stats, state, path)
+        return stats, results, written[0] is not None, bool(cursor["epoch_done"])
+
+    def _train_call(
+        self,
+        num_steps: int | None,
+        info: dict[str, Any] | None,
+        profile: bool,
+        end_epoch: bool,
+        checkpoint_due: bool = False,
+    ) -> torch_worker.TrainCall:
+        capture = mid = None
+        # Local mode loses no worker: it captures only for checkpoint_dir's files.
+        if self._keeps_state and not (
+            self.scaling.local_mode and self.checkpoint.checkpoint_dir is None
+        ):
+            if (
+                self._workers_see_checkpoints()
+            ):  # each worker writes its part, the driver keeps the path
+                capture = self._checkpoint_request(self.epoch + 1)
+                if checkpoint_due and num_steps:  # where this call will stop, inside the epoch
+                    mid = self._checkpoint_request(self.epoch, self._epoch_step + num_steps)
+            else:
+                envelope = {k: v for k, v in self._wrap_state({}).items() if k != "epoch"}
+                capture = torch_worker.StateCapture(envelope, None)
+        return torch_worker.TrainCall(
+            self.epoch, self._epoch_step, num_steps, info, profile, capture, bool(end_epoch), mid
+        )
+
+    def _reduce(self, results: list[dict[str, Any]], start: float) -> dict[str, Any]:
+        reduce_start = time.perf_counter()
+        profiles = [r.pop("profile", None) for r in results]
+        stats = reduce_worker_stats(results)
+        if any(profiles):
+            profile = reduce_profiles(profiles)
+            profile["reduce_s"] = time.perf_counter() - reduce_start
+            profile["driver_s"] = time.perf_counter() - start
+            stats["profile"] = profile
+            for result, own in zip(results, profiles, strict=True):
+                result["profile"] = own
+        return stats
+
+    @staticmethod
+    def _raw(results: list[dict[str, Any]], stats: dict[str, Any]) -> list[dict[str, Any]]:
+        for result in results:
+            for key in ("epoch", "num_restarts", "num_workers", "checkpoint_path"):
+                if key in stats:
+                    result[key] = stats[key]
+        return results
+
+    def validate(
+        self,
+        num_steps: int | None = None,
+        info: dict[str, Any] | None = None,
+        *,
+        profile: bool = False,
+        reduce_results: bool = True,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Evaluate on the validation loader (all of it, or ``num_steps`` batches per worker).
+
+        Returns ``val_loss`` (and ``val_accuracy``), ``num_samples``, ``num_steps``
+        and ``time_s``, reduced over workers (a list in rank order with
+        ``reduce_results=False``); ``profile`` as for :meth:`train`.
+        """
+        check_call_options(num_steps, info)
+        start = time.perf_counter()
+        results = self._run(torch_worker.validate, num_steps, info, profile)
+        stats = self._reduce(results, start)
+        self._log("val", stats)
+        return stats if reduce_results else results
+
+    def update_scheduler(self, metric: Any) -> None:
+        """Call ``scheduler.step(metric)`` on every worker's schedulers (e.g. ReduceLROnPlateau).
+
+        For ``scheduler_step_freq="manual"`` with a metric-driven scheduler::
+
+            val = trainer.validate()
+            trainer.update_scheduler(val["val_loss"])
+        """
+        self._run(torch_worker.update_scheduler, metric)
+
+    def apply_all_operators(self, fn: Callable[[TrainingOperator], Any]) -> list[Any]:
+        """Run ``fn(operator)`` on every worker's :class:`TrainingOperator`; results in rank order."""
+        return self._run(torch_worker.apply_to_operator, fn)
+
+    def get_model(self) -> torch.nn.Module | tuple[torch.nn.Module, ...]:
+        """The trained model(s) as plain modules on the driver's CPU."""
+        state = self.state_dict()
+        models = self.creators.create_models(self.config)
+        for model, model_state in zip(models, state["models"], strict=True):
+            model.load_state_dict(model_state)
+            model.cpu()
+        return models[0] if len(models) == 1 else models
