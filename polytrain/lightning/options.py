@@ -101,7 +101,8 @@ def with_ddp_kwargs(
     """
     if not ddp_kwargs:
         return backend
-    from polytrain.backends.ddp.config import check_ddp_kwargs, ddp_parameters
+    from polytrain.backends.core.ddp_signature import ddp_parameters
+    from polytrain.backends.ddp.config import check_ddp_kwargs
 
     for key in ddp_kwargs:
         close = difflib.get_close_matches(key, own, n=1)

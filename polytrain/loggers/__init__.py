@@ -22,15 +22,13 @@ from typing import Any
 
 from polytrain.compat.imports import register_install_hint
 from polytrain.loggers.base import (
-    LOGGER_NAMES,
     Logger,
     LoggerError,
-    LoggerSet,
     default_log_dir,
     flatten_params,
-    resolve_loggers,
     scalar_metrics,
 )
+from polytrain.loggers.logger_set import LOGGER_NAMES, LoggerSet, resolve_loggers
 
 for _module in ("tensorboard", "tensorboardX", "mlflow", "wandb"):
     register_install_hint(_module, 'pip install "polytrain[trackers]"')

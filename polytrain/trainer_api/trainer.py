@@ -12,6 +12,7 @@ hooks: how workers are set up, and how a state leaves and enters them.
 from __future__ import annotations
 
 import abc
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -26,12 +27,12 @@ from polytrain.launchers.factory import make_group
 from polytrain.trainer_api.checkpointing.manager import CheckpointManager
 from polytrain.trainer_api.checkpointing.recovery import RecoveryStore
 from polytrain.trainer_api.checkpointing.step_plans import StepCheckpointPlan
-from polytrain.trainer_api.checkpointing.trainer_dirs import CheckpointDirMixin
-from polytrain.trainer_api.checkpointing.trainer_state import StateMixin
+from polytrain.trainer_api.checkpointing.trainer_checkpoints import TrainerCheckpoints
 from polytrain.trainer_api.options.configs import (
     CheckpointConfig,
     FailureConfig,
     ScalingConfig,
+    check_int,
     check_user_config,
     merge_flat_options,
 )
@@ -65,7 +66,7 @@ def _check_init_hook(init_hook: Any) -> Callable[[], None] | None:
     return init_hook
 
 
-class BaseTrainer(CheckpointDirMixin, StateMixin, abc.ABC):
+class BaseTrainer(abc.ABC):
     """Shared driver logic: options, the worker group, retries, elastic size, checkpoints.
 
     Subclasses set ``framework``, call ``super().__init__`` and then
@@ -101,6 +102,9 @@ class BaseTrainer(CheckpointDirMixin, StateMixin, abc.ABC):
     """
 
     framework: ClassVar[str] = "torch"
+    #: The framework's worker-side checkpoint module (``load_dir(url) -> dict``), or None:
+    #: the trainer cannot read checkpoint directories.
+    checkpoint_worker_module: ClassVar[Any] = None
 
     def __init__(
         self,
@@ -159,6 +163,8 @@ class BaseTrainer(CheckpointDirMixin, StateMixin, abc.ABC):
         # Mid-epoch checkpoints (torch trainers; TFTrainer's calls are whole epochs).
         self._step_plan = StepCheckpointPlan(self.checkpoint.every_n_steps, self.checkpoint.every_s)
         self.recovery = RecoveryStore(self.checkpoint, self.checkpoint_manager)
+        #: Requests, recovery points, save and load (:mod:`.checkpointing.trainer_checkpoints`).
+        self.checkpoints = TrainerCheckpoints(self)
         self._loggers = TrainerLoggers(loggers, log_dir=None)
 
     @classmethod
@@ -252,7 +258,7 @@ class BaseTrainer(CheckpointDirMixin, StateMixin, abc.ABC):
         self._group, self._rendezvous = group, rendezvous
         # Release the actors even if the user never calls shutdown().
         self._finalizer = weakref.finalize(self, _shutdown_group, rendezvous, group)
-        self._resume_if_requested()  # CheckpointConfig(resume=True): once, at the first start
+        self.checkpoints.resume_if_requested()  # CheckpointConfig(resume=True): once, at the first start
 
     def _ensure_open(self) -> None:
         if self._shut_down:
@@ -354,6 +360,95 @@ class BaseTrainer(CheckpointDirMixin, StateMixin, abc.ABC):
             "framework": self.framework,
         }
 
+    # -------------------------------------------------- the data position
+    def _restart(self, num_workers: int | None = None) -> None:
+        """Start a fresh group and restore the latest recovery point into it.
+
+        ``num_workers`` None: the :class:`ScalingPolicy` sizes the group (with
+        ``min_workers``, as many workers as the cluster holds now). Without a
+        recovery point the new workers start from the creators, at epoch 0.
+        """
+        # A planned restart (an elastic group growing back) first lets the workers
+        # finish their background writes.
+        if self._group is not None:
+            self.checkpoints.flush()
+        else:
+            self.checkpoints.sync_recovery_point()
+        self._teardown_group()
+        self._group_size = num_workers or self.scaling_policy.restart_size()
+        self._start()
+        point = self.recovery.latest
+        if point is None:
+            self.epoch = self._epoch_step = 0
+        elif point.state is not None:
+            self.load_state_dict(point.state)
+        else:
+            self.checkpoints.load_recovery_file(point.path)
+            self.epoch, self._epoch_step = point.epoch, point.epoch_step
+
+    def _begin_call(self, max_retries: int | None = None) -> None:
+        """Before a training call: note a per-call retry wish; at an epoch start, grow a shrunk group back."""
+        self._ensure_open()
+        if max_retries is not None:
+            check_int("max_retries", max_retries, 0)
+            if max_retries > 0 and not self._keeps_state:
+                # From now on epoch ends keep a state; until the first one, restart from here.
+                self._retries_requested = True
+                if self.recovery.latest is None and (self.epoch or self._epoch_step):
+                    self.recovery.remember_state(self.state_dict())
+        if (
+            self._epoch_step == 0
+            and self.recovery.is_at(self.epoch, 0)
+            and self.scaling_policy.should_grow(self._group_size)
+        ):
+            self._restart(self.scaling.num_workers)
+
+    def _end_call(self, stats: dict[str, Any], cursor: dict[str, Any]) -> dict[str, Any]:
+        """After a training call: move the data position, add restart and size stats."""
+        if cursor["epoch_done"]:
+            self.epoch, self._epoch_step = cursor["epoch"] + 1, 0
+        else:
+            self.epoch, self._epoch_step = cursor["epoch"], cursor["position"]
+        self._global_step += int(stats.get("num_steps", 0) or 0)
+        stats["epoch"] = cursor["epoch"]
+        stats["num_restarts"] = self.num_restarts
+        stats["num_workers"] = self.num_workers
+        return stats
+
+    # ----------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The consolidated training state as a portable checkpoint dict."""
+        return self.checkpoints.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a state from :meth:`state_dict` or :meth:`save` on every worker.
+
+        Any backend of the same framework and any world size may have written it.
+
+        Raises:
+            CheckpointError: not a checkpoint dict of this framework; nothing is loaded.
+        """
+        self.checkpoints.load_state_dict(state)
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write a consolidated checkpoint to ``path`` atomically; returns the absolute path."""
+        return self.checkpoints.save(path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Load a checkpoint written under any backend or world size: a file from :meth:`save`, or a directory.
+
+        A checkpoint directory (``checkpoint_dir``'s ``checkpoint_000003``, local or an
+        fsspec URL) is validated on the driver first (commit marker, manifest, file
+        sizes, framework), then every worker reads only the ranges it holds. A file
+        is read with ``weights_only=True`` and validated before anything changes.
+
+        Raises:
+            CheckpointError: missing, truncated, uncommitted, corrupted, not a polytrain
+                checkpoint, or written by a trainer of another framework; nothing is
+                loaded then.
+        """
+        self.checkpoints.load(path)
+
     def apply_all_workers(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """Run ``fn(*args)`` in every worker process; returns the results in rank order."""
         return self._run(fn, *args)
@@ -377,7 +472,7 @@ class BaseTrainer(CheckpointDirMixin, StateMixin, abc.ABC):
                 group; the default shutdown is as quick for a healthy one.
         """
         if not force:
-            self._flush_checkpoints()  # background checkpoint writes finish and commit
+            self.checkpoints.flush()  # background checkpoint writes finish and commit
         self._teardown_group(force=force)
         self.scaling_policy.release()  # an autoscaler may let the extra nodes go
         self._shut_down = True

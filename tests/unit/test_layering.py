@@ -1,26 +1,34 @@
-"""The package's boundaries (issue 12): import layers, one exception root, module sizes, config errors.
+"""The package's boundaries: import floors, no import circles, one exception root, sizes.
 
 The import and size checks read the source with :mod:`ast`, so they see every
 import (also those inside functions and under ``TYPE_CHECKING``, and
 ``importlib.import_module("polytrain...")`` with a literal name) without
-importing any framework. The layers, bottom to top::
+importing any framework. The floors, bottom to top::
 
     errors, compat            the ground floor: import nothing above themselves
+    checkpoint                the on-disk checkpoint format: errors and compat only
     launchers                 Ray / local worker groups: know no backend and no trainer
-    backends                  driver-side rendezvous + worker-side strategies
+    backends                  core/ (the contracts) and one folder per backend, which
+                              imports no other backend's folder
     trainer_api               the trainers and what they run on the workers
     lightning, tune           integrations built on the trainers and backends
-    __init__, __main__, cli*, compare*   the faces: nothing below them imports them
+    __init__, __main__, cli, compare   the faces: nothing below them imports them
+
+No module imports itself back through a chain of imports (an import circle),
+counting the lazy ones: a package's ``__init__`` is not counted as imported by
+its submodules (Python runs it first, but no code of a submodule depends on it).
 """
 
 from __future__ import annotations
 
 import ast
+import io
 import json
 import re
 import subprocess
 import sys
 import textwrap
+import tokenize
 from functools import cache
 from pathlib import Path
 
@@ -31,11 +39,12 @@ from polytrain.errors import ConfigError, ConfigTypeError
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = REPO_ROOT / "polytrain"
 
-MAX_MODULE_LINES = 400
+MAX_MODULE_LINES = 800
 MAX_FUNCTION_LINES = 60
 
 #: Files ("polytrain/x.py") or functions ("polytrain/x.py::Class.method") allowed to be
-#: longer than the limits, each with the reason it reads better in one piece.
+#: longer than the limits (a module is one concern of up to ~800 lines; a function fits
+#: on a screen), each with the reason it reads better in one piece.
 #: Empty: every module and function fits.
 SIZE_EXCEPTIONS: dict[str, str] = {}
 
@@ -99,8 +108,8 @@ def _polytrain_imports() -> dict[str, list[tuple[str, int]]]:
 
 
 def _in_layer(module: str, layer: str) -> bool:
-    """``module`` is ``layer``, inside it, or a sibling split off it (``cli`` -> ``cli_check``)."""
-    return re.fullmatch(rf"{re.escape(layer)}(_\w+)?(\..+)?", module) is not None
+    """``module`` is ``layer`` or inside it."""
+    return module == layer or module.startswith(layer + ".")
 
 
 def _violations(importers: str, forbidden: tuple[str, ...]) -> list[str]:
@@ -124,11 +133,22 @@ def _is_face(module: str) -> bool:
 
 
 LAYER_RULES = {
+    "polytrain.checkpoint": (
+        "polytrain.launchers",
+        "polytrain.backends",
+        "polytrain.trainer_api",
+        "polytrain.lightning",
+        "polytrain.tune",
+        CLI,
+        "polytrain.compare",
+    ),
     "polytrain.launchers": (
         "polytrain.trainer_api",
         "polytrain.backends",
         "polytrain.lightning",
         "polytrain.tune",
+        CLI,
+        "polytrain.compare",
     ),
     "polytrain.trainer_api": (
         "polytrain.lightning",
@@ -136,7 +156,13 @@ LAYER_RULES = {
         CLI,
         "polytrain.compare.runner",
     ),
-    "polytrain.backends": ("polytrain.trainer_api", "polytrain.lightning", "polytrain.tune", CLI),
+    "polytrain.backends": (
+        "polytrain.trainer_api",
+        "polytrain.lightning",
+        "polytrain.tune",
+        CLI,
+        "polytrain.compare",
+    ),
 }
 
 
@@ -194,6 +220,102 @@ def test_only_the_faces_import_the_cli():
         if _in_layer(target, CLI)
     ]
     assert bad == []
+
+
+BACKEND_FOLDERS = sorted(
+    p.parent.name for p in (PACKAGE / "backends").glob("*/__init__.py") if p.parent.name != "core"
+)
+
+
+def test_every_backend_has_its_own_folder():
+    assert {"ddp", "horovod", "fairscale", "fsdp", "deepspeed", "tensorflow"} <= set(
+        BACKEND_FOLDERS
+    )
+    flat = sorted(p.name for p in (PACKAGE / "backends").glob("*.py") if p.name != "__init__.py")
+    assert flat == ["registry.py"], "a backend's modules belong in its folder"
+
+
+@pytest.mark.parametrize("backend", BACKEND_FOLDERS)
+def test_a_backend_folder_imports_no_other_backend(backend):
+    own = f"polytrain.backends.{backend}"
+    others = [f"polytrain.backends.{b}" for b in BACKEND_FOLDERS if b != backend]
+    assert _violations(own, (*others, "polytrain.backends.registry")) == []
+
+
+@pytest.mark.parametrize("backend", BACKEND_FOLDERS)
+def test_a_backend_config_imports_only_the_contracts_and_errors(backend):
+    config = f"polytrain.backends.{backend}.config"
+    allowed = ("polytrain.backends.core", "polytrain.errors", "polytrain.compat")
+    bad = [
+        f"{config} imports {target} (line {line})"
+        for target, line in _polytrain_imports().get(config, [])
+        if not any(_in_layer(target, layer) for layer in allowed)
+    ]
+    assert bad == []
+
+
+def test_launchers_name_no_backend_in_code():
+    """A backend's per-process clean-up is its own reset hook, not a branch in launchers/."""
+    backend_words = ("horovod", "hvd", "deepspeed", "fairscale", "fsdp", "mwms")
+    found = []
+    for path in sorted((PACKAGE / "launchers").rglob("*.py")):
+        source = path.read_text()
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type == tokenize.NAME and any(
+                w in token.string.lower() for w in backend_words
+            ):
+                found.append(f"{path.relative_to(REPO_ROOT)}:{token.start[0]} {token.string}")
+    assert found == []
+
+
+def import_circles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, []):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_circle_finder_sees_a_lazy_circle():
+    graph = {"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}
+    assert import_circles(graph) == [["a", "b", "c"]]
+    assert import_circles({"a": ["b"], "b": []}) == []
+
+
+def test_no_import_circles():
+    modules = _package_modules()
+    graph = {
+        module: sorted({target for target, _ in targets if target in modules and target != module})
+        for module, targets in _polytrain_imports().items()
+    }
+    assert import_circles(graph) == []
 
 
 # --------------------------------------------------------------- exceptions
@@ -288,7 +410,7 @@ def _function_lengths(tree: ast.AST, prefix: str = ""):
             yield from _function_lengths(node, prefix)
 
 
-def test_no_module_is_over_400_lines():
+def test_no_module_is_over_800_lines():
     too_long = []
     for path in _package_modules().values():
         rel = path.relative_to(REPO_ROOT).as_posix()

@@ -7,7 +7,8 @@ import warnings
 
 import pytest
 
-from polytrain.backends.ddp.config import DDPConfig, ddp_parameters
+from polytrain.backends.core.ddp_signature import ddp_parameters
+from polytrain.backends.ddp.config import DDPConfig
 from polytrain.backends.registry import get_backend
 from polytrain.errors import ConfigError, ConfigTypeError
 from polytrain.launchers.scaling import ScalingConfig

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from polytrain.backends import registry
@@ -14,6 +16,7 @@ from polytrain.backends.registry import (
     resolve_backend_name,
 )
 from polytrain.compat.imports import MissingDependencyError
+from polytrain.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -129,46 +132,115 @@ def test_every_fact_about_a_backend_comes_from_its_registry_entry():
     assert ids == ["deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero3"]
 
 
-def test_a_new_backend_is_one_class_and_one_entry():
-    """The recipe in the README: a Backend subclass binding a config, a rendezvous and a strategy."""
-    from dataclasses import dataclass
+#: A no-op backend written the way the README's "Adding a backend" recipe says: one folder
+#: (config, strategy, backend), one registry entry. Its strategy counts what it is asked.
+RECIPE_FILES = {
+    "__init__.py": '''"""The noop backend: plain torch, one process; counts the strategy's calls."""
 
-    from polytrain.backends.core.rendezvous import Rendezvous
-    from polytrain.backends.core.strategy import TorchStrategy
+from noop_backend.config import NoopConfig
 
-    @dataclass
-    class EchoConfig(BackendConfig):
-        flag: bool = False
+__all__ = ["NoopConfig"]
+''',
+    "config.py": '''"""Options of the noop backend."""
 
-    class EchoStrategy(TorchStrategy):
-        pass
+from dataclasses import dataclass
 
-    class EchoBackend(Backend):
-        name = "echo"
-        config_cls = EchoConfig
-        rendezvous_cls = Rendezvous
-        strategy_cls = EchoStrategy
+from polytrain.backends.core.backend import BackendConfig
+from polytrain.errors import ConfigError
 
-    import sys
-    import types
 
-    module = types.ModuleType("echo_backend_for_test")
-    module.EchoBackend = EchoBackend
-    sys.modules[module.__name__] = module
+@dataclass
+class NoopConfig(BackendConfig):
+    """Options of the noop backend."""
+
+    label: str = "noop"
+
+    def __post_init__(self) -> None:
+        if not self.label:
+            raise ConfigError(f"label={self.label!r} is not allowed: give a non-empty string.")
+''',
+    "strategy.py": '''"""The worker side of the noop backend."""
+
+from polytrain.backends.core.strategy import TorchStrategy
+
+CALLS = {"prepare": 0, "zero_grad": 0}
+
+
+class NoopStrategy(TorchStrategy):
+    """Plain torch; counts prepare and zero_grad."""
+
+    def prepare(self, components, ctx):
+        CALLS["prepare"] += 1
+        return super().prepare(components, ctx)
+
+    def zero_grad(self, components):
+        CALLS["zero_grad"] += 1
+        super().zero_grad(components)
+''',
+    "backend.py": '''"""The noop backend: its config, the no-op rendezvous and its strategy."""
+
+from noop_backend.config import NoopConfig
+from noop_backend.strategy import NoopStrategy
+from polytrain.backends.core.backend import Backend
+from polytrain.backends.core.rendezvous import Rendezvous
+
+
+class NoopBackend(Backend):
+    """One process, plain torch."""
+
+    name = "noop"
+    framework = "torch"
+    config_cls = NoopConfig
+    rendezvous_cls = Rendezvous
+    strategy_cls = NoopStrategy
+''',
+}
+
+
+def test_a_new_backend_is_one_folder_and_one_entry(tmp_path, monkeypatch):
+    """The README's recipe, followed: a folder, one BackendSpec; it trains and obeys the floors."""
+    import importlib
+
+    from polytrain import TorchTrainer
+    from tests.helpers import DIGITS
+    from tests.unit.test_layering import imports_of
+
+    folder = tmp_path / "noop_backend"
+    folder.mkdir()
+    for name, text in RECIPE_FILES.items():
+        (folder / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # The recipe's rule: config.py imports only the backend contracts and errors.
+    config_imports = {m for m, _ in imports_of(RECIPE_FILES["config.py"], "noop_backend.config")}
+    assert {m for m in config_imports if m.startswith("polytrain")} <= {
+        "polytrain.backends.core.backend",
+        "polytrain.errors",
+    }
     spec = BackendSpec(
-        "echo", "echo_backend_for_test:EchoBackend", "torch", "test", aliases=("ech",)
+        "noop", "noop_backend.backend:NoopBackend", "torch", "plain torch", aliases=("nop",)
     )
     registry.register_backend(spec)
     try:
-        backend = get_backend("ech", {"flag": True})
-        assert isinstance(backend, EchoBackend) and backend.config.flag is True
-        assert isinstance(backend.make_strategy(), EchoStrategy)
-        assert type(backend.make_rendezvous()) is Rendezvous
+        with pytest.raises(ConfigError, match="label=''"):
+            get_backend("nop", {"label": ""})
+        trainer = TorchTrainer(
+            **DIGITS,
+            config={"batch_size": 32},
+            num_workers=0,
+            backend="nop",
+            backend_config={"label": "x"},
+        )
+        stats = trainer.train(num_steps=3)
+        trainer.shutdown()
+        calls = importlib.import_module("noop_backend.strategy").CALLS
+        assert stats["num_steps"] == 3 and calls == {"prepare": 1, "zero_grad": 3}
+        assert "noop" in registry.available_backends()
     finally:
-        registry._SPECS.pop("echo")
-        registry._ALIASES.pop("echo")
-        registry._ALIASES.pop("ech")
-        sys.modules.pop(module.__name__)
+        registry._SPECS.pop("noop")
+        registry._ALIASES.pop("noop")
+        registry._ALIASES.pop("nop")
+        for name in [m for m in sys.modules if m.startswith("noop_backend")]:
+            sys.modules.pop(name)
 
 
 def test_registry_errors_are_polytrain_errors():

@@ -12,6 +12,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from polytrain.backends.core.backend import BackendConfig
+from polytrain.backends.core.ddp_signature import buffer_sync_kwargs, ddp_parameters
 from polytrain.errors import ConfigError, ConfigTypeError
 
 _DIST_BACKENDS = ("gloo", "nccl", None)
@@ -94,12 +95,6 @@ class DDPConfig(BackendConfig):
         return kwargs
 
 
-@functools.lru_cache(maxsize=1)
-def ddp_parameters() -> tuple[str, ...]:
-    """The keyword arguments of this torch's ``DistributedDataParallel.__init__``."""
-    return tuple(inspect.signature(DistributedDataParallel.__init__).parameters)
-
-
 def ddp_options(**kwargs: Any) -> dict[str, Any]:
     """Driver: ``kwargs`` less those equal to DDP's own defaults (they change nothing).
 
@@ -167,11 +162,3 @@ def check_ddp_kwargs(kwargs: Any, where: str) -> None:
                 f"torch.nn.parallel.DistributedDataParallel in torch {torch.__version__}"
                 f"{hint}. Valid ones: {allowed}."
             )
-
-
-def buffer_sync_kwargs(sync: bool) -> dict[str, bool]:
-    """DDP keyword arguments for syncing buffers from rank 0 before each forward."""
-    # torch >= 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers.
-    if "forward_sync_buffers" in ddp_parameters():
-        return {"forward_sync_buffers": sync}
-    return {"broadcast_buffers": sync}

@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from polytrain.backends.core.context import Components, WorkerContext
+from polytrain.backends.core.local_state import gathered_local_state, load_whole
 from polytrain.backends.core.precision import Precision
 from polytrain.backends.core.strategy import TorchStrategy
 from polytrain.backends.deepspeed import shards as deepspeed_shards
 from polytrain.backends.deepspeed.env import (
+    forget_deepspeed_groups,
     import_deepspeed,
     preserved_env,
     skip_unused_shm_extension,
@@ -33,8 +35,9 @@ from polytrain.backends.deepspeed.state import (
     load_model_state,
     load_optimizer_state,
 )
-from polytrain.checkpoint.pieces import LocalState, ShardReader, gathered_local_state, load_whole
+from polytrain.checkpoint.pieces import LocalState, ShardReader
 from polytrain.errors import ConfigError
+from polytrain.launchers.pool.reset import register_reset_hook
 
 if TYPE_CHECKING:
     from polytrain.backends.deepspeed.config import DeepSpeedConfig
@@ -71,6 +74,9 @@ class DeepSpeedStrategy(TorchStrategy):
             ConfigError: the creators built more than one model or optimizer, or the
                 DeepSpeed config's batch sizes disagree with the trainer's.
         """
+        # DeepSpeed caches sub-groups of this world in module globals: a warm worker
+        # reused by another group must forget them before the world is destroyed.
+        register_reset_hook(forget_deepspeed_groups)
         if len(components.models) != 1 or len(components.optimizers) != 1:
             raise ConfigError(
                 f"The deepspeed backend trains one model with one optimizer; the creators "

@@ -9,12 +9,13 @@ import torch
 
 from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
+from polytrain.backends.core.local_state import gathered_local_state, load_whole
 from polytrain.backends.core.precision import Precision, default_precision
 from polytrain.backends.core.strategy import TorchStrategy
 from polytrain.backends.fairscale import common
 from polytrain.backends.fairscale import state as fairscale_state
 from polytrain.backends.fairscale.config import FairscaleConfig
-from polytrain.checkpoint.pieces import LocalState, ShardReader, gathered_local_state, load_whole
+from polytrain.checkpoint.pieces import LocalState, ShardReader
 from polytrain.errors import ConfigError
 
 

@@ -10,14 +10,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
+from polytrain.backends.core.ddp_signature import buffer_sync_kwargs
+from polytrain.backends.core.local_state import load_whole, replicated_local_state
 from polytrain.backends.core.precision import Precision, default_precision
 from polytrain.backends.core.strategy import TorchStrategy
 from polytrain.backends.core.torch_distributed import module_device_ids
-from polytrain.backends.ddp.config import buffer_sync_kwargs
 from polytrain.backends.fairscale import common
 from polytrain.backends.fairscale import state as fairscale_state
 from polytrain.backends.fairscale.config import FairscaleConfig
-from polytrain.checkpoint.pieces import LocalState, ShardReader, load_whole, replicated_local_state
+from polytrain.checkpoint.pieces import LocalState, ShardReader
 
 
 class FairscaleOSSStrategy(TorchStrategy):

@@ -32,13 +32,14 @@ import torch
 
 from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
+from polytrain.backends.core.local_state import load_whole, replicated_local_state
 from polytrain.backends.core.precision import Precision, default_precision
 from polytrain.backends.core.strategy import TorchStrategy
 from polytrain.backends.fsdp import state_v1 as fsdp_state
 from polytrain.backends.fsdp import state_v2 as fsdp2_state
 from polytrain.backends.fsdp.common import ShardedStates, broadcast_from_rank0
 from polytrain.backends.fsdp.config import FSDPConfig
-from polytrain.checkpoint.pieces import LocalState, ShardReader, load_whole, replicated_local_state
+from polytrain.checkpoint.pieces import LocalState, ShardReader
 from polytrain.errors import ConfigError
 
 #: Containers that are never called: FSDP2 gathers a unit's parameters in its forward

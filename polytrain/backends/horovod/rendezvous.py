@@ -126,9 +126,13 @@ def _init_worker(
     # that one routes to the other nodes. Interface names may differ between hosts, so
     # the lookup runs here; an interface the user set (HOROVOD_GLOO_IFACE, ...) is kept.
     apply_socket_ifname_env(node_ip, use_gpu)
+    from polytrain.launchers.pool.reset import register_reset_hook
+
     if hvd.is_initialized():  # a reused process: join the new group instead
         hvd.shutdown()
     hvd.init()
+    # A warm worker handed to another group shuts Horovod down first (the pool's reset).
+    register_reset_hook(_shutdown_worker)
     return hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()
 
 

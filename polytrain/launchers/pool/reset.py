@@ -5,9 +5,11 @@ starts (before the group's environment is applied); :func:`reset_process` runs
 when its group is released to the warm pool (:mod:`polytrain.launchers.pool.warm_pool`).
 What a reset undoes, in order:
 
-- functions registered with :func:`register_reset_hook` (a library's own clean-up);
-- Horovod (``hvd.shutdown()``), every ``torch.distributed`` process group, and
-  DeepSpeed's cached sub-groups of the destroyed world;
+- functions registered with :func:`register_reset_hook`: a backend's own per-process
+  clean-up, registered by its worker side when it creates that state (Horovod's
+  ``hvd.shutdown()``, DeepSpeed's cached sub-groups of the destroyed world), and a
+  user's (``polytrain.pool.register_reset_hook``);
+- every ``torch.distributed`` process group;
 - ``WORKER_STATE`` (the operator, models, loaders...), then (after the steps below)
   a garbage collection and ``torch.cuda.empty_cache()``, so no tensor or CUDA
   memory survives; the objects left are frozen (:func:`gc.freeze`: libraries'
@@ -25,8 +27,8 @@ What a reset undoes, in order:
 A process that imported TensorFlow is never reused: TensorFlow's collective ops
 (MultiWorkerMirroredStrategy) can be configured once per process.
 
-This module imports no framework at module level; it reaches torch, Horovod and
-DeepSpeed through :data:`sys.modules` only when they were imported already.
+This module names no backend and imports no framework at module level; it reaches
+torch through :data:`sys.modules` only when it was imported already.
 """
 
 from __future__ import annotations
@@ -48,8 +50,6 @@ logger = logging.getLogger(__name__)
 NOT_REUSABLE = {
     "tensorflow": "TensorFlow's collective ops can be configured only once per process",
 }
-
-_HOROVOD_MODULES = ("horovod.torch", "horovod.tensorflow", "horovod.keras")
 
 _reset_hooks: list[Callable[[], None]] = []
 
@@ -134,16 +134,7 @@ def reset_process(worker_state: dict[str, Any]) -> str | None:
 
 
 def _shutdown_communication() -> None:
-    """Horovod, every torch.distributed process group, DeepSpeed's cached groups."""
-    for name in _HOROVOD_MODULES:
-        hvd = sys.modules.get(name)
-        if hvd is not None and getattr(hvd, "is_initialized", lambda: False)():
-            hvd.shutdown()
-    groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is not None:
-        for name, value in list(vars(groups).items()):
-            if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")):
-                setattr(groups, name, {} if isinstance(value, dict) else None)
+    """Every torch.distributed process group (after the hooks: backends' groups go first)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

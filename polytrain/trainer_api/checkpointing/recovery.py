@@ -8,7 +8,7 @@ due) leaves a recovery point:
 * normally a checkpoint directory the workers wrote themselves (e.g.
   ``checkpoint_000003/`` after 3 epochs, ``checkpoint_000003.00000040/`` 40
   batches into the 4th); the driver keeps only its path
-  (:mod:`polytrain.trainer_api.checkpointing.trainer_dirs`);
+  (:mod:`polytrain.trainer_api.checkpointing.trainer_checkpoints`);
 * when some worker cannot see that directory (a multi-node run without a shared
   ``checkpoint_dir``), a consolidated state instead: rank 0 writes it to a file
   when it runs on the driver's node (``checkpoint_epoch_000003.pt`` in

@@ -240,14 +240,14 @@ class TFTrainer(BaseTrainer):
         # The epoch-end state a restart resumes from: a directory the workers write, or a
         # dict through the driver when they cannot see the checkpoint directory.
         local_only = self.scaling.local_mode and self.checkpoint.checkpoint_dir is None
-        if self._keeps_state and not local_only and self._workers_see_checkpoints():
+        if self._keeps_state and not local_only and self.checkpoints.workers_see_directory():
             written = self._run(
-                checkpoint_tf.save_dir, args_fn=lambda: (self._checkpoint_request(self.epoch),)
+                checkpoint_tf.save_dir, args_fn=lambda: (self.checkpoints.request(self.epoch),)
             )
-            self._keep_checkpoint(stats, written)
+            self.checkpoints.keep_directory(stats, written)
         else:
             state = self._worker_state() if self._keeps_state else None
-            self._keep_state(stats, state, None)
+            self.checkpoints.keep_state(stats, state, None)
         self._log("train", stats)
         return stats
 

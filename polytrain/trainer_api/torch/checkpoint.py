@@ -11,15 +11,14 @@ loads only the ranges it needs, so no process ever holds the whole state.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from typing import Any
 
+from polytrain.backends.core.local_state import load_local_state, local_state
 from polytrain.checkpoint import rng_state
 from polytrain.checkpoint import single_file as ckpt
 from polytrain.checkpoint.directory import DirReader, SaveRequest, meta_bytes
 from polytrain.checkpoint.layout import open_checkpoint, rank_file
-from polytrain.checkpoint.pieces import load_local_state, local_state
 from polytrain.trainer_api.checkpointing.worker_writer import save_local_state, writer
 
 
@@ -115,10 +114,3 @@ def _saved_rng_state(checkpoint: Any, ctx: Any) -> dict[str, Any] | None:
         return None
     index = json.loads(checkpoint.storage.read_bytes(rank_file(ctx.world_rank, "json")))
     return index.get("rng")
-
-
-def load_dir(url: str) -> dict[str, Any]:
-    """Worker entry point (``trainer._run(load_dir, url)``): :func:`load_operator` on this worker's operator."""
-    from polytrain.trainer_api.torch import worker as torch_worker
-
-    return torch_worker.apply_to_operator(functools.partial(load_operator, url=url))

@@ -23,7 +23,6 @@ from polytrain.trainer_api.options.configs import (
 )
 from polytrain.trainer_api.profiling import reduce_profiles
 from polytrain.trainer_api.results import reduce_worker_stats
-from polytrain.trainer_api.torch import checkpoint as checkpoint_torch
 from polytrain.trainer_api.torch import worker as torch_worker
 from polytrain.trainer_api.torch.calls import check_call_options, driver_keys, operator_class
 from polytrain.trainer_api.torch.operator import TrainingOperator
@@ -86,7 +85,7 @@ class TorchTrainer(BaseTrainer):
     """
 
     framework = "torch"
-    checkpoint_worker_module = checkpoint_torch
+    checkpoint_worker_module = torch_worker
 
     def __init__(
         self,
@@ -290,9 +289,9 @@ class TorchTrainer(BaseTrainer):
         stats = self._reduce(results, start)
         self._end_call(stats, cursor)
         if written[0] is not None:  # the workers wrote a checkpoint directory
-            self._keep_checkpoint(stats, written)
+            self.checkpoints.keep_directory(stats, written)
         else:
-            self._keep_state(stats, state, path)
+            self.checkpoints.keep_state(stats, state, path)
         return stats, results, written[0] is not None, bool(cursor["epoch_done"])
 
     def _train_call(
@@ -309,13 +308,15 @@ class TorchTrainer(BaseTrainer):
             self.scaling.local_mode and self.checkpoint.checkpoint_dir is None
         ):
             if (
-                self._workers_see_checkpoints()
+                self.checkpoints.workers_see_directory()
             ):  # each worker writes its part, the driver keeps the path
-                capture = self._checkpoint_request(self.epoch + 1)
+                capture = self.checkpoints.request(self.epoch + 1)
                 if checkpoint_due and num_steps:  # where this call will stop, inside the epoch
-                    mid = self._checkpoint_request(self.epoch, self._epoch_step + num_steps)
+                    mid = self.checkpoints.request(self.epoch, self._epoch_step + num_steps)
             else:
-                envelope = {k: v for k, v in self._wrap_state({}).items() if k != "epoch"}
+                envelope = {
+                    k: v for k, v in self.checkpoints.wrap_state({}).items() if k != "epoch"
+                }
                 capture = torch_worker.StateCapture(envelope, None)
         return torch_worker.TrainCall(
             self.epoch, self._epoch_step, num_steps, info, profile, capture, bool(end_epoch), mid

@@ -7,6 +7,7 @@ builds in the worker's ``WORKER_STATE``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -387,3 +388,8 @@ def teardown_worker() -> None:
     """Drop this worker's trainer state."""
     WORKER_STATE.pop(_KEY, None)
     WORKER_STATE.pop(_CURSOR, None)
+
+
+def load_dir(url: str) -> dict[str, Any]:
+    """Worker entry point (``trainer._run(load_dir, url)``): load a checkpoint directory into this worker's operator."""
+    return apply_to_operator(functools.partial(checkpoint_torch.load_operator, url=url))

@@ -1,0 +1,275 @@
+"""A trainer's checkpoints on the driver: request them, keep recovery points, restore, save, load.
+
+:class:`TrainerCheckpoints` is the object a :class:`~polytrain.trainer_api.trainer.BaseTrainer`
+holds (``trainer.checkpoints``). The workers write every checkpoint directory themselves
+(:mod:`polytrain.trainer_api.checkpointing.worker_writer`); the driver receives the
+directory's path and a few numbers per rank, never a tensor. A restart after a lost
+worker, an elastic resize and :meth:`TrainerCheckpoints.load` of a directory have the
+new workers read it, each only the ranges it holds. Consolidated files
+(:meth:`TrainerCheckpoints.save`) and in-memory states (a driver-node fallback) go
+through the portable format of :mod:`polytrain.checkpoint.single_file`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+from polytrain.checkpoint import layout
+from polytrain.checkpoint import single_file as ckpt
+from polytrain.checkpoint.directory import SaveRequest
+from polytrain.errors import CheckpointError, ConfigError
+from polytrain.trainer_api.checkpointing import worker_writer as checkpoint_worker
+from polytrain.trainer_api.checkpointing.recovery import RecoveryPoint
+
+logger = logging.getLogger(__name__)
+
+#: How long a planned stop (shutdown, elastic resize) waits for background checkpoint writes.
+FLUSH_TIMEOUT_S = 600.0
+
+
+class TrainerCheckpoints:
+    """The checkpoints of one trainer (driver side).
+
+    Args:
+        trainer: the :class:`~polytrain.trainer_api.trainer.BaseTrainer` it serves: its
+            data position, worker group, options, checkpoint manager and recovery store.
+            A framework trainer sets ``checkpoint_worker_module``: a module with
+            ``load_dir(url) -> dict`` run on every worker.
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self._probed_group: Any = None  # the group asked whether it sees the directory
+        self._shared = False
+        self._resumed = False
+
+    def header(self, epoch: int) -> dict[str, Any]:
+        """What a checkpoint's manifest records about the run (``epoch``: epochs completed)."""
+        return {
+            "framework": self.trainer.framework,
+            "backend": self.trainer.backend.name,
+            "world_size": self.trainer._group_size,
+            "epoch": int(epoch),
+            "global_step": int(self.trainer._global_step),
+        }
+
+    def request(self, epoch: int, epoch_step: int = 0) -> SaveRequest:
+        """Driver: a fresh checkpoint directory for the state at ``(epoch, epoch_step)``."""
+        return self.trainer.checkpoint_manager.request(
+            self.header(epoch),
+            step_in_epoch=epoch_step or None,
+            epoch_step=int(epoch_step),
+        )
+
+    def workers_see_directory(self) -> bool:
+        """Driver: whether every worker of the group sees the checkpoint directory (asked once per group).
+
+        Without a ``checkpoint_dir`` the directory is a temporary one on the driver's
+        node: workers on other nodes do not see it, and the state then comes back
+        through the driver instead (as a consolidated dict).
+
+        Raises:
+            ConfigError: a ``checkpoint_dir`` that some worker does not see.
+        """
+        if self.trainer.scaling.local_mode:
+            return True
+        if self._probed_group is self.trainer._group:
+            return self._shared
+        root = self.trainer.checkpoint_manager.root()
+        name = f".polytrain-probe-{uuid.uuid4().hex}"
+        root.write_bytes(name, b"")
+        try:
+            seen = self.trainer._run(checkpoint_worker.sees, root.url, name)
+        finally:
+            root.remove(name)
+        missing = [rank for rank, ok in enumerate(seen) if not ok]
+        if missing and self.trainer.checkpoint.checkpoint_dir is not None:
+            raise ConfigError(
+                f"checkpoint_dir={self.trainer.checkpoint.checkpoint_dir!r} is not visible from worker "
+                f"rank(s) {missing} (another node?). The workers write checkpoints there "
+                f"themselves: use storage every node sees (NFS, or an fsspec URL such as "
+                f"s3://bucket/run)."
+            )
+        if missing:
+            logger.warning(
+                "Workers %s do not see the driver's temporary checkpoint directory (another "
+                "node): epoch-end states come back through the driver. Set a shared "
+                "checkpoint_dir so that the workers write them directly.",
+                missing,
+            )
+        self._probed_group, self._shared = self.trainer._group, not missing
+        return self._shared
+
+    def keep_directory(self, stats: dict[str, Any], written: list[dict[str, Any]]) -> None:
+        """Driver: the workers wrote (or are writing) a checkpoint; keep its path as the recovery point."""
+        path = self.trainer.checkpoint_manager.record(written)
+        if not any(w.get("pending") for w in written):
+            self.trainer.recovery.latest = RecoveryPoint(
+                self.trainer.epoch, self.trainer._epoch_step, path=written[0]["path"]
+            )
+        if path is not None:
+            stats["checkpoint_path"] = path
+        errors = [w["previous_error"] for w in written if w.get("previous_error")]
+        if errors:
+            logger.warning(
+                "A background checkpoint write failed (it was not committed): %s", errors[0]
+            )
+            stats["checkpoint_error"] = errors[0]
+
+    def keep_state(
+        self, stats: dict[str, Any], state: dict[str, Any] | None, path: str | None
+    ) -> None:
+        """Keep the epoch-end state a call captured (a dict, or a file rank 0 wrote)."""
+        if path is not None and not os.path.isfile(path):
+            state, path = self.trainer._worker_state(), None  # written on another node: fetch it
+        if path is not None:
+            written = self.trainer.recovery.remember_file(path, self.trainer.epoch)
+        elif state is not None:
+            written = self.trainer.recovery.remember_state(self.wrap_state(state))
+        else:
+            return
+        if written is not None:
+            stats["checkpoint_path"] = written
+
+    def flush(self) -> None:
+        """Driver: wait for the workers' background writes (before a planned stop), then note the commits."""
+        group = self.trainer._group
+        if group is None:
+            return
+        deadline = time.monotonic() + FLUSH_TIMEOUT_S
+
+        def give_up() -> None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"background writes still running after {FLUSH_TIMEOUT_S} s")
+
+        try:
+            group.get(group.execute_async(checkpoint_worker.flush), on_poll=give_up)
+        except Exception as exc:  # noqa: BLE001 (a dead worker's write is lost anyway)
+            logger.warning("Could not wait for background checkpoint writes: %s", exc)
+        self.sync_recovery_point()
+
+    def sync_recovery_point(self) -> None:
+        """Driver: make the newest committed directory the recovery point (a background save may have committed)."""
+        if self.trainer.checkpoint_manager.latest is not None:
+            return  # a state held in memory is newer than any directory
+        newest = self.trainer.checkpoint_manager.restore_point()
+        point = self.trainer.recovery.latest
+        if newest is None or (point is not None and point.path == newest):
+            return
+        meta = layout.open_checkpoint(newest, framework=self.trainer.framework).meta
+        self.trainer.recovery.latest = RecoveryPoint(
+            int(meta["epoch"]), int(meta.get("epoch_step", 0)), path=newest
+        )
+
+    def resume_if_requested(self) -> None:
+        """Driver, after the first start: with ``resume=True``, load the newest committed checkpoint.
+
+        Runs once per trainer (a later restart restores its own recovery point).
+        Without a committed checkpoint in ``checkpoint_dir`` the run starts fresh.
+        """
+        if not getattr(self.trainer.checkpoint, "resume", False) or self._resumed:
+            return
+        self._resumed = True
+        newest = layout.latest_committed(self.trainer.checkpoint_manager.root())
+        if newest is None:
+            logger.info(
+                "resume=True: no committed checkpoint in %s; starting fresh.",
+                self.trainer.checkpoint.checkpoint_dir,
+            )
+            return
+        logger.info("resume=True: continuing from %s", newest)
+        self.load(newest)
+
+    def load_recovery_file(self, path: str) -> None:
+        """Driver: load a recovery point's checkpoint into every worker (a directory: each reads its part)."""
+        if layout.is_checkpoint_dir(path):
+            self.load_directory(path)
+        else:
+            self.trainer._load_worker_state(
+                ckpt.load_checkpoint(path, framework=self.trainer.framework)
+            )
+
+    def load_directory(self, url: str) -> dict[str, Any]:
+        """Driver: every worker loads its part of the directory; returns its ``epoch``/``epoch_step``."""
+        module = self.trainer.checkpoint_worker_module
+        if module is None:
+            # A trainer subclass for another framework that declares no worker module.
+            raise CheckpointError(
+                f"{type(self).__name__} cannot read the checkpoint directory {url!r}: it sets "
+                f"no checkpoint_worker_module. Load a file written by save() instead, or set "
+                f"checkpoint_worker_module to a module with load_dir(url)."
+            )
+        return self.trainer._run(module.load_dir, url)[0]
+
+    def wrap_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The portable checkpoint envelope around a framework state (see :mod:`.checkpoint`)."""
+        return {
+            "format": ckpt.FORMAT,
+            "version": ckpt.VERSION,
+            "framework": self.trainer.framework,
+            "backend": self.trainer.backend.name,
+            "world_size": self.trainer.scaling.world_size,
+            "epoch": self.trainer.epoch,
+            "epoch_step": self.trainer._epoch_step,
+            **state,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The consolidated training state as a portable checkpoint dict."""
+        return self.wrap_state(self.trainer._worker_state())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a state from :meth:`state_dict` or :meth:`load` on every worker.
+
+        Any backend of the same framework and any world size may have written it.
+
+        Raises:
+            CheckpointError: not a checkpoint dict of this framework; nothing is loaded.
+        """
+        self.trainer._ensure_open()
+        ckpt.validate_checkpoint(state, "state", framework=self.trainer.framework)
+        self.trainer._load_worker_state(state)
+        self.trainer.epoch = int(state["epoch"])
+        self.trainer._epoch_step = int(state.get("epoch_step", 0))
+        # A restart must not fall back behind a loaded checkpoint.
+        self.trainer.recovery.loaded(state, keep=self.trainer._keeps_state)
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write a consolidated checkpoint to ``path`` atomically; returns the absolute path."""
+        return str(ckpt.save_checkpoint(self.trainer._file_state(self.state_dict()), path))
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Load a checkpoint written under any backend or world size: a file from :meth:`save`, or a directory.
+
+        A checkpoint directory (``checkpoint_dir``'s ``checkpoint_000003``, local or an
+        fsspec URL) is validated on the driver first (commit marker, manifest, file
+        sizes, framework), then every worker reads only the ranges it holds. A file
+        is read with ``weights_only=True``.
+
+        Raises:
+            CheckpointError: missing, truncated, uncommitted, corrupted, not a polytrain
+                checkpoint, or written by a trainer of another framework; nothing is
+                loaded then.
+        """
+        self.trainer._ensure_open()
+        if not layout.is_checkpoint_dir(path):
+            self.load_state_dict(ckpt.load_checkpoint(path, framework=self.trainer.framework))
+            return
+        checkpoint = layout.open_checkpoint(os.fspath(path), framework=self.trainer.framework)
+        info = self.load_directory(checkpoint.url)
+        self.trainer.epoch, self.trainer._epoch_step = (
+            int(info["epoch"]),
+            int(info.get("epoch_step", 0)),
+        )
+        self.trainer._global_step = int(
+            checkpoint.meta.get("global_step", self.trainer._global_step)
+        )
+        self.trainer.checkpoint_manager.loaded(checkpoint.url)
+        if self.trainer._keeps_state:
+            self.trainer.recovery.latest = RecoveryPoint(
+                self.trainer.epoch, self.trainer._epoch_step, path=checkpoint.url
+            )
