@@ -16,7 +16,7 @@ from examples import digits
 from polytrain import TorchTrainer, TrainingOperator
 from polytrain.backends.core.torch_distributed import TorchDistributedRendezvous
 from polytrain.backends.ddp.backend import DDPBackend
-from polytrain.errors import WorkerDiedError
+from polytrain.errors import CreatorError, WorkerDiedError
 from tests.helpers import DIGITS, max_param_diff
 from tests.integration.test_reliability import _Killer
 
@@ -312,3 +312,119 @@ def test_loggers_get_the_reduced_metrics_of_every_call():
     assert run_info["config"]["lr"] == 0.05 and run_info["framework"] == "torch"
     # Reduced over the 2 workers: one record per call, samples of both workers.
     assert logged == [("train", 3, 0, 3 * 64), ("train", 5, 0, 2 * 64), ("val", 5, 0, 360)]
+
+
+# ------------------------------------------------------------ several models (issue 31)
+# The shape of RaySGD's own multi-model tests: test_torch.py's test_multi_model and
+# test_torch_runner.py's TestTorchRunner.testMultiModel / testGivens.
+def two_models(config):
+    return [digits.model_creator(config), digits.model_creator({**config, "seed": 1})]
+
+
+def two_optimizers(models, config):
+    return [torch.optim.SGD(model.parameters(), lr=config["lr"]) for model in models]
+
+
+def three_models(config):
+    return torch.nn.Linear(64, 10), torch.nn.Linear(64, 10), torch.nn.Linear(64, 10)
+
+
+def three_optimizers(models, config):
+    opts = [torch.optim.SGD(model.parameters(), lr=0.1) for model in models]
+    return opts[0], opts[1], opts[2]
+
+
+MULTI = {**DIGITS, "model_creator": two_models, "optimizer_creator": two_optimizers}
+
+
+class MultiModelOperator(TrainingOperator):
+    """RaySGD's test_multi_model: train_epoch trains every model on the same batches."""
+
+    def train_epoch(self, iterator, info):
+        data = list(iterator)
+        result = {"num_samples": sum(len(y) for _, y in data)}
+        for i, (model, optimizer) in enumerate(zip(self.models, self.optimizers, strict=True)):
+            model.train()
+            total = 0.0
+            for x, y in data:
+                optimizer.zero_grad()
+                loss = self.criterion(model(x), y)
+                self.backward(loss)
+                optimizer.step()
+                total += loss.item()
+            result[f"model_{i}_loss"] = total / len(data)
+        return result
+
+
+def test_multi_model_operator_trains_every_model_and_restores_them():
+    first = TorchTrainer(
+        **MULTI, training_operator_cls=MultiModelOperator, config=CONFIG, num_workers=2
+    )
+    try:
+        initial = first.get_model()
+        stats = first.train(num_steps=5)
+        state = first.state_dict()
+        trained = first.get_model()
+    finally:
+        first.shutdown()
+    assert len(trained) == 2 and {"model_0_loss", "model_1_loss"} <= stats.keys()
+    for before, after in zip(initial, trained, strict=True):
+        assert max_param_diff(before, after) > 0  # each model trained, not only the first
+    second = TorchTrainer(
+        **MULTI, training_operator_cls=MultiModelOperator, config=CONFIG, num_workers=2
+    )
+    try:
+        second.load_state_dict(state)
+        restored = second.get_model()
+    finally:
+        second.shutdown()
+    for model_1, model_2 in zip(trained, restored, strict=True):
+        state_1, state_2 = model_1.state_dict(), model_2.state_dict()
+        assert state_1.keys() == state_2.keys()
+        assert all(torch.equal(state_1[k], state_2[k]) for k in state_1)
+
+
+class GivensOperator(TrainingOperator):
+    """RaySGD's testGivens: setup replaces train_epoch and validate on the instance."""
+
+    def setup(self, config):
+        self.train_epoch = lambda iterator, info: {"num_samples": 1, "mean_accuracy": 10}
+        self.validate = lambda iterator, info: {"num_samples": 1, "mean_accuracy": 10}
+
+
+def test_an_operator_that_replaces_train_epoch_in_setup_gets_every_model():
+    trainer = TorchTrainer(
+        **{**DIGITS, "model_creator": three_models, "optimizer_creator": three_optimizers},
+        training_operator_cls=GivensOperator,
+        config=CONFIG,
+        num_workers=2,
+    )
+    try:
+        given = trainer.apply_all_operators(lambda op: (len(op.models), len(op.optimizers)))
+        assert trainer.train()["mean_accuracy"] == 10
+    finally:
+        trainer.shutdown()
+    assert given == [(3, 3), (3, 3)]
+
+
+class DefaultStepsInOwnEpoch(TrainingOperator):
+    """A custom train_epoch that still hands every batch to the default train_batch."""
+
+    def train_epoch(self, iterator, info):
+        return super().train_epoch(iterator, info)
+
+
+def test_the_default_step_with_several_models_is_refused():
+    three = {**DIGITS, "model_creator": three_models, "optimizer_creator": three_optimizers}
+    # testMultiModel: the default operator would train only the first: refused at setup.
+    with pytest.raises(CreatorError, match="model_creator returned 3 objects"):
+        TorchTrainer(**three, config=CONFIG, num_workers=2)
+    # Through a custom train_epoch the default step is refused when it runs.
+    trainer = TorchTrainer(
+        **three, training_operator_cls=DefaultStepsInOwnEpoch, config=CONFIG, num_workers=2
+    )
+    try:
+        with pytest.raises(CreatorError, match="model_creator returned 3 objects"):
+            trainer.train(num_steps=1, max_retries=0)
+    finally:
+        trainer.shutdown()

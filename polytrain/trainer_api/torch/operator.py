@@ -21,7 +21,7 @@ import torch
 from polytrain.backends.core.backend import Backend
 from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.strategy import TorchStrategy
-from polytrain.errors import PolytrainError
+from polytrain.errors import CreatorError, PolytrainError
 from polytrain.launchers.worker import report_progress
 from polytrain.trainer_api.data.loaders import move_to_device
 from polytrain.trainer_api.profiling import PhaseTimer
@@ -72,8 +72,11 @@ class TrainingOperator:
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
         """One optimisation step on one batch; returns metrics including ``num_samples``.
 
-        The default expects ``(features, target)`` or ``(*features, target)``.
+        The default expects ``(features, target)`` or ``(*features, target)`` and trains
+        ``self.model`` with ``self.optimizer``: with several models or optimizers it
+        raises :class:`~polytrain.errors.CreatorError` rather than train only the first.
         """
+        self.check_single_model()  # a custom train_epoch may call this step too
         *features, target = batch
         with self.autocast():
             output = self.model(*features)
@@ -99,6 +102,24 @@ class TrainingOperator:
         ):
             stats["val_accuracy"] = (output.argmax(dim=1) == target).float().mean().item()
         return stats
+
+    def check_single_model(self) -> None:
+        """Raise :class:`~polytrain.errors.CreatorError` if there is more than one model or optimizer.
+
+        For steps that train one model with one optimizer, such as the default
+        :meth:`train_batch`: they would silently train only the first.
+        """
+        counts = {"model_creator": len(self.models), "optimizer_creator": len(self.optimizers)}
+        for creator, count in counts.items():
+            if count > 1:
+                raise CreatorError(
+                    f"{creator} returned {count} objects, and the default training step "
+                    f"trains one model with one optimizer (it would silently train only the "
+                    f"first). Write a TrainingOperator subclass whose train_batch (or "
+                    f"train_epoch) uses self.models and self.optimizers, and pass it as "
+                    f"training_operator_cls (README: Custom steps). Several schedulers are "
+                    f"fine: the default step steps all of them."
+                )
 
     def state_dict(self) -> dict[str, Any]:
         """Extra state of a custom operator to keep in checkpoints (tensors and plain types)."""

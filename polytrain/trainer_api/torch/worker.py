@@ -21,7 +21,6 @@ from polytrain.backends.core.strategy import TorchStrategy
 from polytrain.checkpoint import rng_state
 from polytrain.checkpoint import single_file as ckpt
 from polytrain.checkpoint.directory import SaveRequest
-from polytrain.errors import CreatorError
 from polytrain.launchers.worker import WORKER_STATE
 from polytrain.trainer_api.creators import TorchCreators
 from polytrain.trainer_api.data.cursor import DataCursor
@@ -59,7 +58,6 @@ def setup_worker(setup: WorkerSetup, rank_info: Any, device_index: int) -> int:
     strategy = setup.backend.make_strategy()
     with strategy.worker_scope(ctx):
         components = _create_components(setup.creators, setup.config, ctx)
-        _check_default_step_fits(setup.operator_cls, components)
         components = strategy.setup(components, ctx)
         if setup.add_dist_sampler:
             _add_samplers(components, *strategy.sample_distribution(ctx))
@@ -73,6 +71,7 @@ def setup_worker(setup: WorkerSetup, rank_info: Any, device_index: int) -> int:
             strategy=strategy,
         )
         operator.setup(setup.config)
+        _check_default_step_fits(operator)
     WORKER_STATE[_KEY] = operator
     WORKER_STATE[_CURSOR] = DataCursor(operator.train_loader)
     return _count_batches(components.train_loader, ctx, setup.config)
@@ -100,23 +99,23 @@ def _create_components(
     )
 
 
-def _check_default_step_fits(operator_cls: type[TrainingOperator], components: Components) -> None:
-    """The default step trains one model with one optimizer: refuse more rather than ignore them."""
-    if operator_cls.train_batch is not TrainingOperator.train_batch:
+def _check_default_step_fits(operator: TrainingOperator) -> None:
+    """Refuse several models or optimizers when only the defaults would train them.
+
+    The default ``train_epoch`` calling the default ``train_batch`` trains the first
+    model with the first optimizer. An operator that overrides either one (on its
+    class, or on the instance in ``setup`` as RaySGD's tests do) drives the models
+    itself; should its own ``train_epoch`` still call the default ``train_batch``,
+    that step refuses then (see :meth:`TrainingOperator.train_batch`).
+    """
+    if _overridden(operator, "train_batch") or _overridden(operator, "train_epoch"):
         return
-    counts = {
-        "model_creator": len(components.models),
-        "optimizer_creator": len(components.optimizers),
-    }
-    for creator, count in counts.items():
-        if count > 1:
-            raise CreatorError(
-                f"{creator} returned {count} objects, and the default training step trains one "
-                f"model with one optimizer (it would silently train only the first). Write a "
-                f"TrainingOperator subclass whose train_batch uses self.models and "
-                f"self.optimizers, and pass it as training_operator_cls (README: Custom steps). "
-                f"Several schedulers are fine: the default step steps all of them."
-            )
+    operator.check_single_model()
+
+
+def _overridden(operator: TrainingOperator, name: str) -> bool:
+    method = getattr(operator, name)
+    return getattr(method, "__func__", method) is not getattr(TrainingOperator, name)
 
 
 def _add_samplers(components: Components, replicas: int, rank: int) -> None:
