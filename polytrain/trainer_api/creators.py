@@ -56,24 +56,23 @@ def _as_tuple(value: Any) -> tuple[Any, ...]:
 
 
 class Created(tuple):
-    """The objects a creator built, as a tuple that remembers how the creator returned them.
+    """The objects a creator built, as a tuple that remembers what the creator returned.
 
-    The next creator receives them the same way (RaySGD's rule): one object when
-    one was returned, a list when a list was, a tuple when a tuple was.
+    The next creator receives exactly that object (RaySGD's rule): the model when
+    one was returned, the same list when a list was, the same tuple (or named
+    tuple) when a tuple was.
     """
 
-    returned: type | None = None  # list, tuple, or None for a single object
+    returned: Any = None  # the creator's return value itself
 
-    def __new__(cls, items: Any, returned: type | None = None) -> Created:
+    def __new__(cls, items: Any, returned: Any = None) -> Created:
         created = super().__new__(cls, items)
-        created.returned = returned
+        created.returned = created[0] if returned is None and len(created) == 1 else returned
         return created
 
     def as_returned(self) -> Any:
-        """The objects in the shape the creator returned them."""
-        if self.returned is None:
-            return self[0]
-        return self.returned(self)
+        """The creator's return value, the very object it returned."""
+        return self.returned
 
 
 def check_return(name: str, value: Any, expected: type | tuple[type, ...], what: str) -> Created:
@@ -84,7 +83,7 @@ def check_return(name: str, value: Any, expected: type | tuple[type, ...], what:
             f"{name} returned {_describe(value)}; expected {what}. "
             f"Signature: {_SIGNATURES.get(name, name)}."
         )
-    return Created(items, type(value) if isinstance(value, (list, tuple)) else None)
+    return Created(items, value)
 
 
 def _check_not_instance(name: str, value: Any, kind: type, how: str) -> None:

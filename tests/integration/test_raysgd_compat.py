@@ -367,7 +367,8 @@ def test_multi_model_operator_trains_every_model_and_restores_them():
         trained = first.get_model()
     finally:
         first.shutdown()
-    assert len(trained) == 2 and {"model_0_loss", "model_1_loss"} <= stats.keys()
+    assert type(trained) is list and len(trained) == 2  # as model_creator returned them
+    assert {"model_0_loss", "model_1_loss"} <= stats.keys()
     for before, after in zip(initial, trained, strict=True):
         assert max_param_diff(before, after) > 0  # each model trained, not only the first
     second = TorchTrainer(

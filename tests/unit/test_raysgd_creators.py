@@ -97,3 +97,30 @@ def test_an_iterable_dataset_that_does_not_shard_itself_is_refused():
     creators = TorchCreators(lambda c: torch.nn.Linear(1, 2), lambda c: Stream(), _opt)
     with pytest.raises(CreatorError, match="IterableDataset.*add_dist_sampler=False"):
         creators.create_data({"batch_size": 2})
+
+
+def test_the_next_creator_gets_the_very_object_the_creator_returned():
+    import collections
+
+    Pair = collections.namedtuple("Pair", "generator discriminator")
+    returned, seen = {}, {}
+
+    def models(config):
+        returned["models"] = Pair(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        return returned["models"]
+
+    def optimizers(models, config):
+        seen["models"] = models
+        returned["optimizers"] = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+        return returned["optimizers"]
+
+    def schedulers(optimizers, config):
+        seen["optimizers"] = optimizers
+        return [torch.optim.lr_scheduler.StepLR(o, 1) for o in optimizers]
+
+    creators = TorchCreators(models, _data, optimizers, scheduler_creator=schedulers)
+    built = creators.create_models({})
+    creators.create_schedulers(creators.create_optimizers(built, {}), {})
+    assert seen["models"] is returned["models"]  # a named tuple, with its field names
+    assert seen["models"].discriminator is built[1]
+    assert seen["optimizers"] is returned["optimizers"]  # the same list, not a copy

@@ -378,11 +378,15 @@ class TorchTrainer(BaseTrainer):
         """Run ``fn(operator)`` on every worker's :class:`TrainingOperator`; results in rank order."""
         return self._run(torch_worker.apply_to_operator, fn)
 
-    def get_model(self) -> torch.nn.Module | tuple[torch.nn.Module, ...]:
-        """The trained model(s) as plain modules on the driver's CPU."""
+    def get_model(self) -> torch.nn.Module | list[torch.nn.Module] | tuple[torch.nn.Module, ...]:
+        """The trained model(s) as plain modules on the driver's CPU.
+
+        Shaped as ``model_creator`` returned them: one module, or the list or tuple of
+        several.
+        """
         state = self.state_dict()
         models = self.creators.create_models(self.config)
         for model, model_state in zip(models, state["models"], strict=True):
             model.load_state_dict(model_state)
             model.cpu()
-        return models[0] if len(models) == 1 else models
+        return models.as_returned()
