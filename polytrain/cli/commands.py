@@ -116,7 +116,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Named loggers write into the run directory; the trainer drives them.
     loggers = resolve_loggers(split_names(args.logger) or run.loggers, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = Path(configured or run_dir)
     (run_dir / "run_config.yaml").write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
     scaling = run.scaling_config()
     if not scaling.local_mode:
@@ -130,7 +129,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer = run.build_trainer(**({"loggers": loggers} if loggers else {}))
     try:
         _train_epochs(run, trainer, run_dir / "metrics.jsonl")
-        path = trainer.save(ckpt_dir / "final.pt")
+        # The run directory, whatever checkpoint.checkpoint_dir says: final.pt sits next to
+        # metrics.jsonl and run_config.yaml, where --out (or the printed path) points.
+        path = trainer.save(run_dir / "final.pt")
     finally:
         trainer.shutdown()  # also finishes the loggers
     print(f"checkpoint: {path}", flush=True)

@@ -103,6 +103,22 @@ def test_train_prints_metrics_and_writes_a_checkpoint(ray_address, tmp_path):
     assert "lr: 0.05" in (tmp_path / "run_config.yaml").read_text()
 
 
+def test_final_checkpoint_goes_to_out_even_with_a_checkpoint_dir(ray_address, tmp_path):
+    run_dir, ckpt_dir = tmp_path / "run", tmp_path / "ckpts"
+    proc = run_cli(
+        "train", "-c", DDP, "epochs=1", "num_steps=2", f"checkpoint.checkpoint_dir={ckpt_dir}",
+        "--out", str(run_dir), "--address", ray_address, "--no-progress",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    # Where the README says: --out holds final.pt beside metrics.jsonl; the configured
+    # checkpoint_dir holds the epoch-end checkpoints only.
+    printed = re.search(r"^checkpoint: (.+)$", proc.stdout, re.M)
+    assert printed and Path(printed.group(1)) == run_dir / "final.pt", proc.stdout
+    assert (run_dir / "final.pt").is_file() and (run_dir / "metrics.jsonl").is_file()
+    assert not (ckpt_dir / "final.pt").exists()
+    assert sorted(ckpt_dir.glob("checkpoint_*/COMMITTED")), list(tmp_path.rglob("*"))
+
+
 def test_resume_continues_a_stopped_run_and_checkpoints_convert_offline(ray_address, tmp_path):
     options = ("--out", str(tmp_path), "--address", ray_address, "--no-progress")
     first = run_cli("train", "-c", DDP, "num_steps=3", "epochs=2", *options)
