@@ -7,6 +7,7 @@ private directory whose ``ray/ray_current_cluster`` names a cluster that is gone
    start a local instance.
 2. Two actors run; every listening (or bound UDP) socket of the Ray processes this
    script started is recorded, and each port is probed on this host's outward address.
+   Then the same while a 2-worker ddp trainer runs (its workers' torch store included).
 3. GCS clients without the cluster's token, with a wrong one, and with the right one.
 4. After ``ray.shutdown()``: ``ensure_ray`` at a loopback port that accepts TCP but is
    no Ray GCS must raise ConnectionError within its ``timeout_s`` instead of hanging.
@@ -58,8 +59,42 @@ def _sockets_of(pids: set[int]) -> list[dict]:
                 name = psutil.Process(conn.pid).name()
             except psutil.NoSuchProcess:
                 name = "?"
-            found.append({"process": name, "ip": conn.laddr.ip, "port": conn.laddr.port})
+            found.append(
+                {"process": name, "pid": conn.pid, "ip": conn.laddr.ip, "port": conn.laddr.port}
+            )
     return found
+
+
+def _training_sockets() -> dict:
+    """Every listening socket of the Ray processes while a 2-worker ddp trainer runs."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from polytrain import TorchTrainer
+
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    trainer = TorchTrainer(
+        model_creator=lambda config: torch.nn.Linear(4, 2),
+        data_creator=lambda config: DataLoader(data, batch_size=config["batch_size"]),
+        optimizer_creator=lambda model, config: torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_creator=torch.nn.CrossEntropyLoss,
+        config={"batch_size": 16},
+        num_workers=2,
+        backend="ddp",
+    )
+    try:
+        trainer.train(num_steps=1)
+        workers = trainer.apply_all_workers(
+            lambda: {
+                "pid": os.getpid(),
+                "master_addr": os.environ["MASTER_ADDR"],
+                "master_port": int(os.environ["MASTER_PORT"]),
+            }
+        )
+        pids = {p.pid for p in psutil.Process().children(recursive=True)}
+        return {"workers": workers, "sockets": _sockets_of(pids)}
+    finally:
+        trainer.shutdown()
 
 
 def _gcs_client(address: str, auth_env: dict[str, str]) -> str:
@@ -132,6 +167,7 @@ def main(out_path: str) -> None:
     result["outward_probes"] = {
         s["port"]: probe(f"{outward_ip}:{s['port']}", timeout_s=2) for s in result["sockets"]
     }
+    result["training"] = _training_sockets()
     gcs_address = ray._private.worker._global_node.gcs_address
     result["gcs_address"] = gcs_address
     result["token"] = _token_checks(gcs_address)

@@ -3,7 +3,8 @@
 - With no address and a stale session file left by ``ray start``, a local instance
   starts (with a warning naming the file) instead of retrying the dead cluster.
 - Every socket the instance's processes listen on is bound to 127.0.0.1, and none
-  answers on the host's outward address.
+  answers on the host's outward address; also while a 2-worker ddp trainer runs
+  (issue 31: rank 0's torch store listened on every interface).
 - Ray's token authentication is on: a GCS client without the token, or with a
   wrong one, is refused; one with the token is served.
 - Connecting to something that accepts TCP but is no Ray GCS raises
@@ -80,6 +81,25 @@ def test_every_ray_socket_is_bound_to_the_loopback(local_ray):
     assert any(s["process"].startswith("ray::Probe") for s in sockets), sockets
     exposed = [
         s for s in sockets if not ipaddress.ip_address(s["ip"].removeprefix("::ffff:")).is_loopback
+    ]
+    assert exposed == [], exposed
+
+
+def test_a_training_run_listens_on_the_loopback_only(local_ray):
+    training = local_ray["training"]
+    rank0 = training["workers"][0]
+    assert rank0["master_addr"] == "127.0.0.1"  # the address the group was given
+    # The rendezvous store was seen, in rank 0's process, on that address only.
+    store = [s for s in training["sockets"] if s["port"] == rank0["master_port"]]
+    assert store and {(s["pid"], s["ip"]) for s in store} == {(rank0["pid"], "127.0.0.1")}
+    worker_pids = {w["pid"] for w in training["workers"]}
+    assert worker_pids <= {s["pid"] for s in training["sockets"]}  # the workers were measured
+    # Every listening socket of every process of the run, Ray's and the workers' (torch
+    # store, gloo), on the loopback: none on 0.0.0.0, :: or an outward address.
+    exposed = [
+        s
+        for s in training["sockets"]
+        if not ipaddress.ip_address(s["ip"].removeprefix("::ffff:")).is_loopback
     ]
     assert exposed == [], exposed
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from typing import TYPE_CHECKING
 
 from polytrain.backends.core.context import WorkerContext
@@ -27,23 +28,46 @@ _store_server = None
 
 
 def _start_store(host: str, timeout_s: float) -> int:
-    """Rank 0: start the rendezvous store on a port the OS picks; return that port.
+    """Rank 0: start the rendezvous store on ``host`` and a port the OS picks; return that port.
 
-    Binding port 0 in the process that keeps the socket open leaves no window in which
-    another process can take the port between "find a free port" and "listen on it".
+    The store listens on ``host`` only (the address the group was given: 127.0.0.1 for
+    a local run), not on every interface, which is where TCPStore binds a port it opens
+    itself: this process binds the socket and hands it over (``master_listen_fd``; both
+    of torch's server backends, libuv and the classic one, take it). Binding port 0 in
+    the process that keeps the socket open leaves no window in which another process
+    can take the port between "find a free port" and "listen on it".
     """
     from torch.distributed import TCPStore
 
     global _store_server
     _store_server = None  # a previous group's server (its group is gone by now)
-    _store_server = TCPStore(
-        host,
-        0,
-        is_master=True,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
+    sock = _bound_socket(host)
+    try:
+        _store_server = TCPStore(
+            host,
+            sock.getsockname()[1],
+            is_master=True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the socket now and closes it when it stops
     return int(_store_server.port)
+
+
+def _bound_socket(host: str) -> socket.socket:
+    """A TCP socket bound to ``host`` (IPv4 or IPv6) on a free port, not listening yet."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _init_process_group(
