@@ -6,6 +6,8 @@
 - :mod:`~polytrain.checkpoint.directory`: writing and reading a checkpoint directory;
 - :mod:`~polytrain.checkpoint.single_file`: the consolidated single-file format;
 - :mod:`~polytrain.checkpoint.convert`: directory <-> single file, offline;
+- :mod:`~polytrain.checkpoint.safetensors_export`: a checkpoint's model in the Hugging Face
+  layout (safetensors files, shards + index, ``config.json``);
 - :mod:`~polytrain.checkpoint.rng_state`: a worker's random states.
 
 It imports only :mod:`polytrain.errors` and itself.

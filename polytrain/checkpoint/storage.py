@@ -131,7 +131,7 @@ class Storage:
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp, target)
-            _fsync_dir(os.path.dirname(target))
+            fsync_path(os.path.dirname(target))
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -154,8 +154,9 @@ class Storage:
                 self.fs.rm(target, recursive=True)
 
 
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a local file, or a directory's entries (a rename in it), to the disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

@@ -4,12 +4,15 @@
 
     polytrain checkpoint convert runs/ckpt/checkpoint_000003 model.pt      # directory -> one file
     polytrain checkpoint convert model.pt runs/converted --shards 4        # file -> directory
+    polytrain checkpoint convert --to safetensors runs/ckpt/checkpoint_000003 gpt2-out  # HF layout
     polytrain checkpoint inspect runs/ckpt/checkpoint_000003
 
 A checkpoint directory (written by the workers, sharded under fairscale, fsdp
 and deepspeed) and a consolidated file (``trainer.save()``) hold the same
 state; either loads under every backend at any world size with
-``trainer.load(path)``.
+``trainer.load(path)``. ``--to safetensors`` writes the model from either in the
+Hugging Face layout (``model.safetensors`` or shards + index, and ``config.json``
+when the checkpoint carries the model's HF config), as ``trainer.save_pretrained``.
 """
 
 from __future__ import annotations
@@ -29,14 +32,34 @@ def add_checkpoint(sub: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     convert = actions.add_parser(
         "convert",
-        help="checkpoint directory <-> consolidated file",
+        help="checkpoint directory <-> consolidated file, or either -> safetensors",
         description="Convert a checkpoint directory (sharded or not) into one consolidated "
-        "file, or a consolidated file into a directory. The direction follows SRC.",
+        "file, or a consolidated file into a directory. The direction follows SRC. With "
+        "--to safetensors, write the model of either in the Hugging Face layout into the "
+        "new directory DST.",
     )
     convert.add_argument("src", help="a checkpoint directory or a file written by trainer.save()")
     convert.add_argument("dst", help="the file (or new directory) to write")
     convert.add_argument(
         "--shards", type=int, default=1, help="rank files of a new directory (default: 1)"
+    )
+    convert.add_argument(
+        "--to",
+        choices=["safetensors"],
+        default=None,
+        help="safetensors: the model in the Hugging Face layout (config.json, model.safetensors "
+        "or shards + model.safetensors.index.json)",
+    )
+    convert.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help='with --to safetensors: bytes per file, e.g. "5GB" (default), "200MB"',
+    )
+    convert.add_argument(
+        "--model-index",
+        type=int,
+        default=0,
+        help="with --to safetensors: which model of the checkpoint (default: 0)",
     )
     convert.set_defaults(func=cmd_checkpoint)
     inspect = actions.add_parser("inspect", help="summarise a checkpoint file or directory")
@@ -51,6 +74,15 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
     if args.action == "inspect":
         print(json.dumps(convert.describe(args.path), indent=1, default=str))
+        return EXIT_OK
+    if args.to == "safetensors":
+        from polytrain.checkpoint import safetensors_export
+
+        size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
+        result = safetensors_export.export_checkpoint(
+            args.src, args.dst, max_shard_size=size, model_index=args.model_index
+        )
+        print(f"wrote the model in the Hugging Face layout: {result['path']} ({result['files']})")
         return EXIT_OK
     if args.shards < 1:
         raise ConfigError(f"--shards must be >= 1; got {args.shards}.")

@@ -33,6 +33,9 @@ _HINTS: dict[str, str] = {
     "pytorch_lightning": 'pip install "polytrain[lightning]"',
     "torchmetrics": 'pip install "polytrain[lightning]"',
     "ray.tune": 'pip install "polytrain[tune]"',
+    "safetensors": 'pip install "polytrain[hf]"',
+    "transformers": 'pip install "polytrain[hf]"',
+    "huggingface_hub": 'pip install "polytrain[hf]"',
 }
 
 

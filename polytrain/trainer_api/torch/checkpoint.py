@@ -19,7 +19,9 @@ from polytrain.checkpoint import rng_state
 from polytrain.checkpoint import single_file as ckpt
 from polytrain.checkpoint.directory import DirReader, SaveRequest, meta_bytes
 from polytrain.checkpoint.layout import open_checkpoint, rank_file
+from polytrain.checkpoint.safetensors_export import META_KEY
 from polytrain.trainer_api.checkpointing.worker_writer import save_local_state, writer
+from polytrain.trainer_api.torch.model_info import export_info
 
 
 def envelope(header: dict[str, Any]) -> dict[str, Any]:
@@ -43,6 +45,17 @@ def trainer_state(operator: Any) -> dict[str, Any]:
         "operator": operator.state_dict(),
         "global_step": operator.global_step,
     }
+
+
+def export_infos(operator: Any, strict: bool = False) -> list[dict[str, Any]]:
+    """Rank 0: per model, what an export in the HF layout needs (tied names, HF config files).
+
+    ``strict``: a config that cannot be written raises (``save_pretrained``) rather
+    than leaving the checkpoint without it (every other save).
+    """
+    return [
+        export_info(operator.strategy.unwrap_model(m), strict) for m in operator.components.models
+    ]
 
 
 def load_trainer_state(operator: Any, state: dict[str, Any]) -> None:
@@ -79,6 +92,7 @@ def save_operator(operator: Any, request: SaveRequest) -> dict[str, Any]:
                 **envelope(request.header),
                 **(local.skeleton or {"models": [], "optimizers": []}),
                 **trainer_state(operator),
+                META_KEY: export_infos(operator),
                 **request.extra,
             }
         )

@@ -21,6 +21,7 @@ from polytrain.backends.core.strategy import TorchStrategy
 from polytrain.checkpoint import rng_state
 from polytrain.checkpoint import single_file as ckpt
 from polytrain.checkpoint.directory import SaveRequest
+from polytrain.checkpoint.safetensors_export import META_KEY
 from polytrain.launchers.worker import WORKER_STATE
 from polytrain.trainer_api.creators import TorchCreators
 from polytrain.trainer_api.data.cursor import DataCursor
@@ -344,6 +345,7 @@ def get_state(epoch: int) -> dict[str, Any] | None:
         "models": full["models"],
         "optimizers": full["optimizers"],
         **checkpoint_torch.trainer_state(operator),
+        META_KEY: checkpoint_torch.export_infos(operator),
     }
 
 

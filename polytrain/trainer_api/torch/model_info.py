@@ -1,0 +1,147 @@
+"""What an export of a model needs to know that its tensors do not say (worker side).
+
+Recorded in every checkpoint the workers write (the ``export_info`` entry of its
+meta, one per model), so that ``polytrain checkpoint convert --to safetensors``
+writes offline what ``trainer.save_pretrained`` writes:
+
+- ``keys``: the ``state_dict`` keys in order (the shard plan follows it, as HF's does);
+- ``buffers``: the persistent buffers (the index counts parameters only);
+- ``drop``: ``{dropped name: kept name}`` for tensors the model shares (tied weights):
+  chosen as ``transformers``' ``save_pretrained`` does for an HF model (names that
+  match a ``_tied_weights_keys`` entry go), as ``safetensors.torch.save_model`` does
+  otherwise (the alphabetically first name stays);
+- ``files``: ``config.json`` (and ``generation_config.json`` for a model that
+  generates), written by the model's own HF config classes.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import re
+import tempfile
+from typing import Any
+
+from polytrain.checkpoint.pieces import persistent_buffers
+
+logger = logging.getLogger(__name__)
+
+#: Wrapper modules whose names appear in parameter names but not in checkpoint keys.
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def export_info(model: Any, strict: bool = True) -> dict[str, Any]:
+    """Worker: the export info of ``model`` (the user's module, unwrapped; no communication).
+
+    Args:
+        model: the user's module.
+        strict: raise when the model's HF config cannot be written; False (an ordinary
+            checkpoint save, which must not fail for an export's sake) logs a warning
+            and records no config files instead.
+    """
+    named = _named_tensors(model)
+    groups: dict[int, list[str]] = {}
+    for name, tensor in named:
+        groups.setdefault(id(tensor), []).append(name)
+    shared = [sorted(set(names)) for names in groups.values() if len(set(names)) > 1]
+    patterns = _tied_patterns(model)
+    drop: dict[str, str] = {}
+    for names in shared:
+        drop.update(_drop_hf(names, patterns) if patterns else _drop_plain(names))
+    return {
+        "keys": list(dict.fromkeys(name for name, _ in named)),
+        "buffers": [name for name, _ in persistent_buffers(model, rename=_clean)],
+        "drop": drop,
+        "files": hf_files(model) if strict else _hf_files_or_warn(model),
+    }
+
+
+def _hf_files_or_warn(model: Any) -> dict[str, str]:
+    try:
+        return hf_files(model)
+    except Exception as exc:  # noqa: BLE001 (any failure of the user's config classes)
+        logger.warning(
+            "The model's HF config could not be written (%s: %s); this checkpoint carries "
+            "none, so `polytrain checkpoint convert --to safetensors` will write no "
+            "config.json from it.",
+            type(exc).__name__,
+            exc,
+        )
+        return {}
+
+
+def _clean(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _named_tensors(model: Any) -> list[tuple[str, Any]]:
+    """``(state_dict key, tensor object)`` in ``state_dict`` order, shared ones under every name."""
+    found = []
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        for name, param in module._parameters.items():
+            if param is not None and not name.startswith("_flat_param"):
+                found.append((_clean(prefix + name), param))
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                found.append((_clean(prefix + name), buffer))
+    return found
+
+
+def _tied_patterns(model: Any) -> list[str]:
+    """HF's declared tied-weight names (``_tied_weights_keys`` of every submodule), as patterns."""
+    patterns: list[str] = []
+    for name, module in model.named_modules():
+        tied = getattr(module, "_tied_weights_keys", None) or {}
+        patterns += [f"{_clean(name)}.{key}" if name else key for key in tied]
+    return patterns
+
+
+def _drop_hf(names: list[str], patterns: list[str]) -> dict[str, str]:
+    """transformers' ``remove_tied_weights_from_state_dict``: the declared targets go, one name stays."""
+    dropped, found = [], 0
+    for name in names:
+        if any(re.search(pattern, name) for pattern in patterns):
+            found += 1
+            if found < len(names):
+                dropped.append(name)
+    kept = [name for name in names if name not in dropped]
+    if len(kept) > 1:  # undeclared sharing: keep one, as safetensors does
+        return {**{name: kept[0] for name in dropped}, **_drop_plain(kept)}
+    return {name: kept[0] for name in dropped}
+
+
+def _drop_plain(names: list[str]) -> dict[str, str]:
+    """``safetensors.torch.save_model``: the alphabetically first name stays."""
+    return {name: names[0] for name in names[1:]}
+
+
+def hf_files(model: Any) -> dict[str, str]:
+    """``{file name: text}`` of the HF config files ``save_pretrained`` would write; {} for other models.
+
+    The config is a copy with ``architectures`` and ``dtype`` set, as HF's
+    ``save_pretrained`` sets them on the model's own config before writing it.
+    """
+    config = getattr(model, "config", None)
+    if not callable(getattr(config, "save_pretrained", None)):
+        return {}
+    config = copy.deepcopy(config)
+    dtype = getattr(model, "dtype", None)
+    if dtype is not None and hasattr(config, "dtype"):
+        config.dtype = str(dtype).split(".")[-1]
+    # FSDP2 renames the class of a fully_shard-ed module (FSDPGPT2LMHeadModel).
+    config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    with tempfile.TemporaryDirectory(prefix="polytrain-hf-config-") as folder:
+        config.save_pretrained(folder)
+        can_generate = getattr(model, "can_generate", None)
+        generation = getattr(model, "generation_config", None)
+        if callable(can_generate) and can_generate() and generation is not None:
+            generation.save_pretrained(folder)
+        files = {}
+        for name in sorted(os.listdir(folder)):
+            with open(os.path.join(folder, name), encoding="utf-8") as handle:
+                files[name] = handle.read()
+    return files
