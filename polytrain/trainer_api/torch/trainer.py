@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -10,7 +13,9 @@ from typing import Any
 import torch
 
 from polytrain.backends.core.backend import Backend
-from polytrain.errors import ConfigError
+from polytrain.checkpoint import safetensors_export
+from polytrain.checkpoint.directory import SaveRequest
+from polytrain.errors import CheckpointError, ConfigError
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.ranks import split_batch_size
 from polytrain.trainer_api.checkpointing.step_plans import train_in_chunks
@@ -23,6 +28,7 @@ from polytrain.trainer_api.options.configs import (
 )
 from polytrain.trainer_api.profiling import reduce_profiles
 from polytrain.trainer_api.results import reduce_worker_stats
+from polytrain.trainer_api.torch import export as torch_export
 from polytrain.trainer_api.torch import worker as torch_worker
 from polytrain.trainer_api.torch.calls import check_call_options, driver_keys, operator_class
 from polytrain.trainer_api.torch.operator import TrainingOperator
@@ -377,6 +383,61 @@ class TorchTrainer(BaseTrainer):
     def apply_all_operators(self, fn: Callable[[TrainingOperator], Any]) -> list[Any]:
         """Run ``fn(operator)`` on every worker's :class:`TrainingOperator`; results in rank order."""
         return self._run(torch_worker.apply_to_operator, fn)
+
+    def save_pretrained(
+        self,
+        path: str | os.PathLike,
+        max_shard_size: int | str = "5GB",
+        *,
+        model_index: int = 0,
+    ) -> dict[str, Any]:
+        """Write the trained model in the Hugging Face layout, from the workers' shards.
+
+        ``path`` gets ``model.safetensors`` (above ``max_shard_size``:
+        ``model-00001-of-0000N.safetensors`` files and ``model.safetensors.index.json``)
+        and, for a ``transformers`` model, ``config.json`` (and ``generation_config.json``)
+        as its ``save_pretrained`` writes them, so ``AutoModelForCausalLM.from_pretrained(path)``
+        loads it. Tied weights are written once, as HF and ``safetensors.torch.save_model``
+        do. Every worker writes the model tensors it holds, then rank 0 assembles the
+        files one shard at a time: no tensor travels through the driver. ``path`` is as
+        rank 0 sees it; the files appear there together when the export is complete.
+
+        Args:
+            path: a new or empty local directory.
+            max_shard_size: bytes per safetensors file, or ``"5GB"`` (HF's default), ``"200MB"``.
+            model_index: which model, when ``model_creator`` returns several.
+
+        Returns:
+            ``{"path", "files", "sharded", "total_size"}``.
+
+        Raises:
+            CheckpointError: ``path`` exists and is not empty (checked before anything is written).
+            ConfigError: ``max_shard_size`` is not a size, or the workers cannot share a
+                directory to write into (another node without a shared ``checkpoint_dir``).
+        """
+        self._ensure_open()
+        target = safetensors_export.check_target(path)
+        safetensors_export.parse_max_shard_size(max_shard_size)
+        if not self.checkpoints.workers_see_directory():
+            raise ConfigError(
+                "save_pretrained needs a directory every worker sees (the workers write their "
+                "shards there first): set checkpoint_config={'checkpoint_dir': ...} on storage "
+                "every node sees (NFS, or an fsspec URL such as s3://bucket/run)."
+            )
+        root = self.checkpoint_manager.root()
+        name = f".polytrain-export-{uuid.uuid4().hex[:12]}"
+        state = SaveRequest(url=root.url_of(name), header=self.checkpoints.header(self.epoch))
+        request = torch_export.ExportRequest(state, str(target), max_shard_size, model_index)
+        try:
+            results = self._run(
+                torch_worker.apply_to_operator,
+                functools.partial(torch_export.save_pretrained_operator, request=request),
+            )
+        finally:
+            root.child(name).remove()
+        if "error" in results[0]:
+            raise CheckpointError(f"save_pretrained({str(path)!r}) failed: {results[0]['error']}")
+        return results[0]
 
     def get_model(self) -> torch.nn.Module | list[torch.nn.Module] | tuple[torch.nn.Module, ...]:
         """The trained model(s) as plain modules on the driver's CPU.
