@@ -94,6 +94,16 @@ def _assert_same_model(path, reference: torch.nn.Module) -> None:
     assert diff <= TOLERANCE
 
 
+def _assert_tied_in_checkpoint(checkpoint: str) -> None:
+    """Training kept the tie: the checkpoint's two names hold the same values."""
+    from polytrain.checkpoint.directory import DirReader
+    from polytrain.checkpoint.layout import open_checkpoint
+
+    with DirReader(open_checkpoint(checkpoint)) as reader:
+        head = reader.read(("models", 0, "lm_head.weight"))
+        assert torch.equal(head, reader.read(("models", 0, "transformer.wte.weight")))
+
+
 def _tensors_of(path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -173,6 +183,7 @@ def test_gpt2_under_fsdp2_writes_shards_and_converts_its_directory(tmp_path):
     )
     assert index["metadata"]["total_parameters"] == sum(p.numel() for p in model.parameters())
     _assert_same_model(tmp_path / "out", model)
+    _assert_tied_in_checkpoint(stats["checkpoint_path"])
 
     done = _convert(
         "--to", "safetensors", stats["checkpoint_path"], str(tmp_path / "offline"),
@@ -202,6 +213,7 @@ def test_gpt2_under_zero3_keeps_the_tie(tmp_path):
         trainer.shutdown()
     assert "model.safetensors" in result["files"]
     _assert_same_model(tmp_path / "out", model)
+    _assert_tied_in_checkpoint(stats["checkpoint_path"])
     done = _convert("--to", "safetensors", stats["checkpoint_path"], str(tmp_path / "offline"))
     assert done.returncode == 0, done.stderr
     _assert_same_model(tmp_path / "offline", model)

@@ -128,3 +128,23 @@ def test_a_checkpoint_without_export_info_writes_every_tensor(tmp_path):
     from safetensors.torch import load_file
 
     assert set(load_file(str(tmp_path / "out" / export.WEIGHTS_NAME))) == set(model.state_dict())
+
+
+def test_local_mode_exports_the_driver_process_model(tmp_path):
+    """num_workers=0: the one worker is the driver process itself; the same files come out."""
+    from safetensors.torch import load_file
+
+    from polytrain import TorchTrainer
+    from tests.helpers import DIGITS
+
+    trainer = TorchTrainer(**DIGITS, config={"batch_size": 32}, num_workers=0)
+    try:
+        trainer.train(num_steps=2)
+        result = trainer.save_pretrained(tmp_path / "out")
+        expected = trainer.get_model().state_dict()
+    finally:
+        trainer.shutdown()
+    assert result["files"] == [export.WEIGHTS_NAME]
+    written = load_file(str(tmp_path / "out" / export.WEIGHTS_NAME))
+    assert written.keys() == expected.keys()
+    assert all(torch.equal(written[k], expected[k]) for k in expected)
