@@ -227,8 +227,10 @@ class RayWorkerGroup(GroupCalls, base.WorkerGroup):
         )
         if self._autoscaling is None:
             check_feasible(self.bundle, self._requested(count))
-        needed = {k: v * count for k, v in self.bundle.items()}
-        pool.POOL.make_room(needed, ray.available_resources())  # idle workers make way
+        # Idle pooled workers that could hold these bundles yield first: with the pool on,
+        # the group lands where it would with the pool off (a soft strategy would not wait
+        # for them, it would degrade around them).
+        pool.POOL.yield_to(self.bundle)
         return placement_group(
             [dict(self.bundle) for _ in range(count)], strategy=self.placement_strategy
         )

@@ -24,6 +24,7 @@ from polytrain.backends.registry import get_backend
 from polytrain.errors import ConfigTypeError, TrainerShutdownError
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.factory import make_group
+from polytrain.launchers.pool import warm_pool as pool
 from polytrain.trainer_api.checkpointing.manager import CheckpointManager
 from polytrain.trainer_api.checkpointing.recovery import RecoveryStore
 from polytrain.trainer_api.checkpointing.step_plans import StepCheckpointPlan
@@ -462,18 +463,24 @@ class BaseTrainer(abc.ABC):
                 self._finalizer.detach()
             _shutdown_group(rendezvous, group, force)
 
-    def shutdown(self, force: bool = False) -> None:
-        """Stop every worker and release their resources. Later calls raise.
+    def shutdown(self, force: bool = False, release_workers: bool = False) -> None:
+        """Stop the workers (a healthy group stays warm in the pool). Later calls raise.
 
         Args:
             force: kill the worker processes at once, without the backend's clean-up
                 call on the workers (destroying process groups), which waits up to a
                 few seconds for workers stuck in a collective. For a hung or broken
                 group; the default shutdown is as quick for a healthy one.
+            release_workers: give everything back now: this trainer's workers are
+                stopped instead of kept warm (README: Warm workers), and so is every idle
+                group of the pool (:func:`polytrain.pool.clear`); returns once Ray shows
+                their resources free (at most a few seconds).
         """
         if not force:
             self.checkpoints.flush()  # background checkpoint writes finish and commit
         self._teardown_group(force=force)
+        if release_workers:  # the group went to the pool (or was stopped): cleared with the rest
+            pool.POOL.clear(wait_s=5.0)
         self.scaling_policy.release()  # an autoscaler may let the extra nodes go
         self._shut_down = True
         self._loggers.finish()

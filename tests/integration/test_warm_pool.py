@@ -336,6 +336,17 @@ def test_idle_workers_give_way_to_a_waiting_placement_group(ray_start_4_cpus):
     remove_placement_group(other)
 
 
+def test_shutdown_can_give_every_worker_back_at_once(ray_start_4_cpus):
+    trainer = _trainer()
+    trainer.train(num_steps=1)
+    other = _group(num_workers=1, num_cpus_per_worker=2)  # beside the trainer: 4 CPUs taken
+    other.shutdown()
+    assert pool.idle_workers() == 1
+    trainer.shutdown(release_workers=True)
+    assert pool.idle_workers() == 0  # neither the trainer's workers nor the other idle group
+    _wait_until(lambda: _cpus_free(ray_start_4_cpus))
+
+
 def _cpus_free(ray) -> bool:
     return ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0)
 

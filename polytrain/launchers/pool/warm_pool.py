@@ -12,8 +12,9 @@ larger group, a larger one adds new workers to a smaller group.
 
 One pool per process. It is bounded: at most ``max_idle`` idle workers (oldest
 out first); an idle group is stopped after ``idle_timeout_s``, at once when a
-placement group of anyone else waits for resources (``release_on_demand``), or
-when a new group of this process does not fit otherwise (:meth:`WorkerPool.make_room`);
+placement group of anyone else waits for resources (``release_on_demand``), and
+before this process creates a placement group that could use their resources
+(:meth:`WorkerPool.yield_to`: a new group lands where it would without the pool);
 everything is stopped at exit. Settings: :func:`configure` or the environment
 (:mod:`polytrain.launchers.pool.settings`; ``POLYTRAIN_WARM_POOL=0`` turns it off).
 Importing this module does not import Ray.
@@ -192,27 +193,53 @@ class WorkerPool:
             return None
         return idle, list(metadata)
 
-    def make_room(self, needed: dict[str, float], available: dict[str, float]) -> int:
-        """Stop idle groups with their own placement group, oldest first, until ``needed`` fits.
+    def yield_to(self, bundle: dict[str, float], wait_s: float = 5.0) -> int:
+        """Stop the idle groups holding resources a new placement group of ``bundle`` could use.
 
-        ``available`` is the cluster's free resources before; what each stopped group
-        held is added to it (Ray reports the freed resources only a moment later).
-        Returns the number of groups stopped.
+        Called before a placement group of this process is created, so that it lands
+        where it would without the pool: a soft strategy never waits for idle workers
+        (SPREAD would pack beside them, PACK spread), a strict one would wait for the
+        reaper. Groups with their own placement group whose bundle shares a resource
+        with ``bundle`` yield; a Tune trial's bundles stay with the trial anyway, and
+        a group that serves the new one was taken out of the pool before. Waits up to
+        ``wait_s`` until Ray shows their resources free (it reports them a moment after
+        the placement groups are removed). Returns the number of groups stopped.
         """
-        free = dict(available)
-        stopped = 0
-        while any(free.get(k, 0.0) < v for k, v in needed.items()):
-            with self._lock:
-                owned = [g for g in self._idle if g.owns_placement_group]
-                if not owned:
-                    return stopped
-                group = owned[0]
-                self._idle.remove(group)
-            self._stop([group])
-            for resource, amount in group.key.bundle:
-                free[resource] = free.get(resource, 0.0) + amount * group.size
-            stopped += 1
-        return stopped
+        wanted = {resource for resource, amount in bundle.items() if amount > 0}
+        with self._lock:
+            yielding = [
+                g
+                for g in self._idle
+                if g.owns_placement_group and wanted & {r for r, a in g.key.bundle if a > 0}
+            ]
+            self._idle = [g for g in self._idle if g not in yielding]
+        if yielding:
+            self._stop_and_wait(yielding, wait_s)
+        return len(yielding)
+
+    def _stop_and_wait(self, groups: Sequence[IdleGroup], wait_s: float) -> None:
+        """Stop ``groups`` and wait (at most ``wait_s``) until Ray shows what they held free."""
+        import ray
+
+        if not ray.is_initialized():
+            self._stop(groups)
+            return
+        freed: dict[str, float] = {}
+        session = session_token()
+        for group in groups:
+            if group.owns_placement_group and group.key.session == session:  # else forgotten
+                for resource, amount in group.key.bundle:
+                    freed[resource] = freed.get(resource, 0.0) + amount * group.size
+        before = ray.available_resources()
+        self._stop(groups)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            available = ray.available_resources()
+            if all(
+                available.get(r, 0.0) >= before.get(r, 0.0) + a - 1e-6 for r, a in freed.items()
+            ):
+                return
+            time.sleep(0.05)
 
     def trim(self) -> None:
         """Apply the current settings now: stop what is over ``max_idle`` (all when off)."""
@@ -220,11 +247,17 @@ class WorkerPool:
             evicted = self._evict_locked(get_settings().max_idle if is_enabled() else -1)
         self._stop(evicted)
 
-    def clear(self) -> int:
-        """Stop every idle worker now; returns how many were stopped."""
+    def clear(self, wait_s: float = 0.0) -> int:
+        """Stop every idle worker now; returns how many were stopped.
+
+        ``wait_s``: wait up to that long until Ray shows their resources free.
+        """
         with self._lock:
             groups, self._idle = self._idle, []
-        self._stop(groups)
+        if wait_s > 0 and groups:
+            self._stop_and_wait(groups, wait_s)
+        else:
+            self._stop(groups)
         return sum(g.size for g in groups)
 
     def idle_workers(self) -> int:

@@ -289,15 +289,16 @@ class TFTrainer(BaseTrainer):
         model.set_weights(state["models"][0])
         return model
 
-    def shutdown(self, force: bool = False) -> None:
+    def shutdown(self, force: bool = False, release_workers: bool = False) -> None:
         """Stop every worker and release their resources. Later calls raise.
 
-        ``force=True`` kills the workers at once (see :meth:`BaseTrainer.shutdown`).
+        ``force=True`` kills the workers at once; ``release_workers=True`` gives every
+        idle warm worker back too (see :meth:`BaseTrainer.shutdown`).
         """
         if self._group is not None and self.scaling.local_mode:
             # The local "worker" is this process: drop the model it holds.
             self._group.execute(tf_worker.teardown_worker)
-        super().shutdown(force=force)
+        super().shutdown(force=force, release_workers=release_workers)
 
 
 def _chief_stats(results: list[dict[str, Any]], time_key: str) -> dict[str, Any]:
