@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 #: Metrics that are summed over workers rather than averaged.
-SUMMED = frozenset({"num_samples"})
+SUMMED = frozenset({"num_samples", "num_tokens"})
 #: Metrics where the slowest worker is the answer.
 MAXIMUM = frozenset({"epoch_time_s", "time_s", "num_steps", "peak_memory_mb"})
 
@@ -21,9 +21,10 @@ def reduce_worker_stats(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Combine the metric dicts of all workers (rank order).
 
     Numbers are averaged weighted by each worker's ``num_samples`` (equal weights
-    when a worker reports none), ``num_samples`` is summed, times and step counts
-    take the maximum, and anything else is rank 0's value. ``samples_per_s`` is
-    recomputed from the totals.
+    when a worker reports none), ``num_samples`` and ``num_tokens`` are summed, times and step counts
+    take the maximum, and anything else is rank 0's value. ``samples_per_s`` and
+    ``tokens_per_s`` are recomputed from the totals, ``val_perplexity`` from the
+    reduced ``val_loss``.
     """
     stats = [s for s in stats if s is not None]
     if not stats:
@@ -52,6 +53,14 @@ def reduce_worker_stats(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     epoch_time = reduced.get("epoch_time_s")
     if "num_samples" in reduced and _is_number(epoch_time) and epoch_time > 0:
         reduced["samples_per_s"] = reduced["num_samples"] / epoch_time
+    if "num_tokens" in reduced:
+        reduced["num_tokens"] = int(reduced["num_tokens"])
+        elapsed = epoch_time if _is_number(epoch_time) else reduced.get("time_s")
+        if _is_number(elapsed) and elapsed > 0:
+            reduced["tokens_per_s"] = reduced["num_tokens"] / elapsed
+    if "val_perplexity" in reduced and _is_number(reduced.get("val_loss")):
+        # exp of the mean loss; the mean of the workers' perplexities would overstate it
+        reduced["val_perplexity"] = math.exp(min(reduced["val_loss"], 700.0))
     return reduced
 
 

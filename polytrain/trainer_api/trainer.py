@@ -236,6 +236,7 @@ class BaseTrainer(abc.ABC):
             world_size=self._group_size,
             use_fp16=self.use_fp16,
             timeout_s=self.failure.collective_timeout_s,
+            step=getattr(self, "step", None),  # TorchTrainer's StepOptions
         )
 
     def _start(self) -> None:

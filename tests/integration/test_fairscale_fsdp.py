@@ -334,12 +334,12 @@ def test_fsdp_unknown_options_are_rejected(no_leftover_actors):
         TorchTrainer(
             **DIGITS, num_workers=2, backend="fsdp", backend_config={"sharding_strategy": "hybrid"}
         )
-    with pytest.raises(ValueError, match=r"\('transformer'\).*'size_based', 'none'"):
+    with pytest.raises(ValueError, match=r"\('transformers'\).*'size_based', 'none'"):
         TorchTrainer(
             **DIGITS,
             num_workers=2,
             backend="fsdp",
-            backend_config={"auto_wrap_policy": "transformer"},
+            backend_config={"auto_wrap_policy": "transformers"},
         )
 
 

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.rendezvous import Rendezvous
+from polytrain.backends.core.step_options import StepOptions
 from polytrain.backends.core.strategy import Strategy, TorchStrategy, load_optimizer_states
 from polytrain.errors import ConfigTypeError
 
@@ -99,6 +100,13 @@ class Backend:
 
         Raises:
             ConfigError: naming the setting, what is allowed and what to do.
+        """
+
+    def validate_step_options(self, step: StepOptions) -> None:
+        """Driver: reject the trainer's step options where they clash with this backend's own.
+
+        Raises:
+            ConfigError: naming both settings and what to do.
         """
 
     def make_rendezvous(self) -> Rendezvous:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from polytrain.backends.core.step_options import StepOptions
+
 if TYPE_CHECKING:
     import torch
 
@@ -45,7 +47,8 @@ class _DeviceField:
 class WorkerContext:
     """What a worker knows about its place in the group (worker side).
 
-    ``device`` is the torch device the worker computes on (the CPU unless set).
+    ``device`` is the torch device the worker computes on (the CPU unless set);
+    ``step`` the training step's clipping, accumulation and precision options.
     """
 
     world_rank: int = 0
@@ -59,6 +62,7 @@ class WorkerContext:
     local_mode: bool = False
     device: torch.device = _DeviceField()  # type: ignore[assignment]
     timeout_s: float = 1800.0
+    step: StepOptions = field(default_factory=StepOptions)
 
     @classmethod
     def from_scaling(
@@ -68,6 +72,7 @@ class WorkerContext:
         world_size: int | None = None,
         use_fp16: bool = False,
         timeout_s: float = 1800.0,
+        step: StepOptions | None = None,
     ) -> WorkerContext:
         """Driver: the context every worker of a group starts from, before it is placed.
 
@@ -80,14 +85,17 @@ class WorkerContext:
             use_fp16: the backend's own mixed precision (the Lightning strategies leave it
                 to Lightning's precision plugin).
             timeout_s: the timeout of one collective.
+            step: the training step's options (its mixed ``precision`` turns ``use_fp16`` on).
         """
+        step = step if step is not None else StepOptions()
         return cls(
             world_size=max(world_size if world_size is not None else scaling.world_size, 1),
             use_gpu=scaling.use_gpu,
-            use_fp16=use_fp16,
+            use_fp16=use_fp16 or step.mixed,
             num_cpus=int(scaling.num_cpus_per_worker) or 1,
             local_mode=scaling.local_mode,
             timeout_s=timeout_s,
+            step=step,
         )
 
     def for_rank(self, info: Any) -> WorkerContext:

@@ -48,6 +48,12 @@ class Precision:
         if self.scaler is not None:
             self.scaler.update()
 
+    def unscale_(self, optimizers: list[Any]) -> None:
+        """Worker: divide the gradients by the loss scale, before they are measured or clipped."""
+        if self.scaler is not None:
+            for optimizer in optimizers:
+                self.scaler.unscale_(optimizer)
+
     def state_dict(self) -> dict[str, Any] | None:
         """Worker: the scaler's state for checkpoints (``None`` without a scaler)."""
         return self.scaler.state_dict() if self.scaler is not None else None
@@ -59,42 +65,69 @@ class Precision:
 
 
 class MixedPrecision(Precision):
-    """``use_fp16``: fp16 autocast with a gradient scaler on GPU, bf16 autocast on CPU.
+    """Reduced-precision autocast: fp16 with a gradient scaler, or bf16 without one.
 
-    fp16 kernels are slow or missing on CPU, and bf16 needs no loss scaling.
+    ``dtype`` defaults to what ``use_fp16`` always meant: fp16 on GPU, bf16 on CPU
+    (fp16 kernels are slow or missing on CPU, and bf16 needs no loss scaling).
 
     Args:
         device_type: ``"cuda"`` or ``"cpu"``.
         cast_forward: False where the wrapper casts parameters and inputs itself
             (FSDP2's MixedPrecisionPolicy, FSDP1's MixedPrecision), so the forward runs without autocast.
         scaler: a scaler instance to use instead of ``torch.amp.GradScaler`` on GPU
-            (sharded scalers check for infs across shards).
+            (sharded scalers check for infs across shards); fp16 only.
+        dtype: the autocast dtype (None: fp16 on GPU, bf16 on CPU).
     """
 
-    def __init__(self, device_type: str, cast_forward: bool = True, scaler: Any = None) -> None:
+    def __init__(
+        self, device_type: str, cast_forward: bool = True, scaler: Any = None, dtype: Any = None
+    ) -> None:
+        import torch
+
         self.device_type = device_type
         self.cast_forward = cast_forward
-        if scaler is None and device_type == "cuda":
-            import torch
-
+        if dtype is None:
+            dtype = torch.float16 if device_type == "cuda" else torch.bfloat16
+        self.dtype = dtype
+        if dtype != torch.float16:
+            scaler = None  # bf16 has fp32's range: nothing to scale
+        elif scaler is None and device_type == "cuda":
             scaler = torch.amp.GradScaler("cuda")
         self.scaler = scaler
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """Worker: fp16 autocast on GPU, bf16 on CPU (none when the wrapper casts itself)."""
+        """Worker: autocast to ``dtype`` (none when the wrapper casts itself)."""
         if not self.cast_forward:
             return contextlib.nullcontext()
         import torch
 
-        if self.device_type == "cuda":
-            return torch.autocast("cuda", dtype=torch.float16)
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast("cuda" if self.device_type == "cuda" else "cpu", dtype=self.dtype)
+
+
+def amp_dtype(ctx: WorkerContext) -> torch.dtype | None:
+    """The reduced dtype of ``ctx`` (None: full precision).
+
+    ``precision="bf16"``: bf16 everywhere; ``"fp16"`` (and the ``use_fp16`` alias):
+    fp16 on GPU, bf16 on CPU, where fp16 kernels are slow or missing.
+    """
+    if not ctx.use_fp16:
+        return None
+    import torch
+
+    if ctx.step.precision == "bf16" or ctx.device.type != "cuda":
+        return torch.bfloat16
+    return torch.float16
 
 
 def default_precision(
     ctx: WorkerContext, cast_forward: bool = True, scaler: Any = None
 ) -> Precision:
-    """The precision for ``ctx``: :class:`MixedPrecision` with ``use_fp16``, else full precision."""
+    """The precision for ``ctx``: :class:`MixedPrecision` with ``use_fp16``, else full precision.
+
+    ``scaler`` is used for fp16 only (bf16 gradients are not scaled).
+    """
     if not ctx.use_fp16:
         return Precision()
-    return MixedPrecision(ctx.device.type, cast_forward=cast_forward, scaler=scaler)
+    return MixedPrecision(
+        ctx.device.type, cast_forward=cast_forward, scaler=scaler, dtype=amp_dtype(ctx)
+    )

@@ -23,6 +23,8 @@ from polytrain.backends.core.precision import Precision, default_precision
 if TYPE_CHECKING:
     import torch
 
+    from polytrain.backends.core.step_options import MicroBatch
+
 logger = logging.getLogger(__name__)
 
 
@@ -131,6 +133,38 @@ class TorchStrategy(Strategy):
         """Worker: a context in which backward passes do not synchronise gradients."""
         return contextlib.nullcontext()
 
+    def accumulation_loss(
+        self, loss: torch.Tensor, components: Components, micro: MicroBatch
+    ) -> torch.Tensor:
+        """Worker: the loss to back-propagate for one of ``micro.size`` micro-batches.
+
+        Divided by ``micro.size``, so the accumulated gradients are those of one step
+        over the whole (k-times larger) batch.
+        """
+        return loss / micro.size if micro.size > 1 else loss
+
+    def end_micro_batch(self, components: Components, micro: MicroBatch) -> None:
+        """Worker: after the backward of a micro-batch that is not the step's last (nothing here)."""
+
+    def clip_grad_norm_(self, components: Components, max_norm: float) -> torch.Tensor | None:
+        """Worker: clip the global gradient norm to ``max_norm``; return the norm before clipping.
+
+        Called after the backward of the step's last micro-batch, before :meth:`step`.
+        Gradients are unscaled first (fp16). Here: ``torch.nn.utils.clip_grad_norm_``
+        over every model's parameters, right where gradients are whole on every rank
+        after backward (plain torch, DDP) or DTensors (FSDP2). ``None``: the backend
+        clips inside its step (read the norm with :meth:`step_grad_norm`).
+        """
+        import torch
+
+        (components.precision or Precision()).unscale_(components.optimizers)
+        params = [p for model in components.models for p in model.parameters()]
+        return _full(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def step_grad_norm(self, components: Components) -> float | None:
+        """Worker: the norm a backend that clips inside :meth:`step` measured (None here)."""
+        return None
+
     # ------------------------------------------------------------------ state
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Worker: the user's module inside whatever wrapper :meth:`prepare` added."""
@@ -152,6 +186,12 @@ class TorchStrategy(Strategy):
         for model, model_state in zip(components.models, state["models"], strict=True):
             self.unwrap_model(model).load_state_dict(model_state)
         load_optimizer_states(components.optimizers, state.get("optimizers"))
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of a norm that may be a DTensor (FSDP2's gradients)."""
+    full_tensor = getattr(norm, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else norm
 
 
 class KerasStrategy(Strategy):

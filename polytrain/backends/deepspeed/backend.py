@@ -6,7 +6,8 @@ import copy
 from typing import Any
 
 from polytrain.backends.core.backend import Backend
-from polytrain.backends.deepspeed.config import DeepSpeedConfig
+from polytrain.backends.core.step_options import StepOptions
+from polytrain.backends.deepspeed.config import DeepSpeedConfig, apply_step_options
 from polytrain.backends.deepspeed.env import mlflow_hidden, preserved_env
 from polytrain.backends.deepspeed.rendezvous import DeepSpeedRendezvous
 from polytrain.backends.deepspeed.strategy import DeepSpeedStrategy
@@ -31,6 +32,10 @@ class DeepSpeedBackend(Backend):
     rendezvous_cls = DeepSpeedRendezvous
     strategy_cls = DeepSpeedStrategy
     config: DeepSpeedConfig
+
+    def validate_step_options(self, step: StepOptions) -> None:
+        """Driver: the DeepSpeed config must not set other accumulation or clipping."""
+        apply_step_options(self.config.resolved(), step)
 
     def validate_settings(self, *, num_workers: int, use_gpu: bool, use_fp16: bool) -> None:
         """Driver: offload and nccl need GPUs; the DeepSpeed config must parse.

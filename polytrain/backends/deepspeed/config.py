@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from polytrain.backends.core.backend import BackendConfig
+from polytrain.backends.core.step_options import StepOptions
 from polytrain.errors import ConfigError
 
 __all__ = ["DeepSpeedConfig"]
@@ -170,7 +171,13 @@ class DeepSpeedConfig(BackendConfig):
         ]
 
     def worker_config(
-        self, micro_batch: int, world_size: int, *, use_fp16: bool, device_type: str
+        self,
+        micro_batch: int,
+        world_size: int,
+        *,
+        use_fp16: bool,
+        device_type: str,
+        step: StepOptions | None = None,
     ) -> dict[str, Any]:
         """The DeepSpeed config a worker initialises its engine with.
 
@@ -180,11 +187,17 @@ class DeepSpeedConfig(BackendConfig):
             use_fp16: the trainer's ``use_fp16`` (fp16 on GPU, bf16 autocast on CPU),
                 unless ``config`` sets its own precision section.
             device_type: ``"cuda"`` or ``"cpu"``.
+            step: the trainer's step options: its accumulation, clipping and precision
+                become the engine's ``gradient_accumulation_steps``, ``gradient_clipping``
+                and ``bf16`` / ``fp16`` sections.
 
         Raises:
-            ConfigError: ``config`` sets batch sizes other than the trainer runs.
+            ConfigError: ``config`` sets batch sizes other than the trainer runs, or
+                accumulation / clipping other than the trainer's.
         """
         ds_config = copy.deepcopy(self.resolved())
+        step = step or StepOptions()
+        apply_step_options(ds_config, step)
         steps = int(ds_config.get("gradient_accumulation_steps", 1))
         expected = {
             "train_micro_batch_size_per_gpu": int(micro_batch),
@@ -199,11 +212,36 @@ class DeepSpeedConfig(BackendConfig):
                     f"from the DeepSpeed config and set the global batch with config['batch_size']."
                 )
         ds_config.update(expected)
-        _set_worker_defaults(ds_config, use_fp16=use_fp16, device_type=device_type)
+        _set_worker_defaults(
+            ds_config, use_fp16=use_fp16, device_type=device_type, bf16=step.precision == "bf16"
+        )
         return ds_config
 
 
-def _set_worker_defaults(ds_config: dict[str, Any], *, use_fp16: bool, device_type: str) -> None:
+def apply_step_options(ds_config: dict[str, Any], step: StepOptions) -> None:
+    """The trainer's accumulation and clipping as the engine's config keys."""
+    if step.accumulates:
+        _set_once(ds_config, "gradient_accumulation_steps", step.gradient_accumulation_steps)
+    if step.max_grad_norm is not None:
+        _set_once(ds_config, "gradient_clipping", float(step.max_grad_norm))
+
+
+def _set_once(ds_config: dict[str, Any], key: str, value: Any) -> None:
+    """Set the trainer's ``value`` unless the DeepSpeed config already says otherwise."""
+    given = ds_config.get(key)
+    default = {"gradient_accumulation_steps": 1, "gradient_clipping": 0.0}[key]
+    if given is not None and given != default and given != value:
+        raise ConfigError(
+            f"The trainer's {key.replace('gradient_clipping', 'max_grad_norm')}={value!r} "
+            f"disagrees with the DeepSpeed config's {key}={given!r}. Set it in one place only "
+            f"(the trainer keyword works on every backend)."
+        )
+    ds_config[key] = value
+
+
+def _set_worker_defaults(
+    ds_config: dict[str, Any], *, use_fp16: bool, device_type: str, bf16: bool = False
+) -> None:
     """Fill in what polytrain decides unless the DeepSpeed config says otherwise."""
     ds_config.setdefault("steps_per_print", 2**31 - 1)
     # DeepSpeed >= 0.19 clips gradients to norm 1.0 unless told otherwise; every other
@@ -216,7 +254,9 @@ def _set_worker_defaults(ds_config: dict[str, Any], *, use_fp16: bool, device_ty
         # The user's torch optimizer steps the offloaded partitions on the CPU.
         ds_config.setdefault("zero_force_ds_cpu_optimizer", False)
     if use_fp16 and not any(k in ds_config for k in ("fp16", "bf16", "torch_autocast")):
-        if device_type == "cuda":
+        if device_type == "cuda" and bf16:
+            ds_config["bf16"] = {"enabled": True}  # bf16 weights, fp32 master copies
+        elif device_type == "cuda":
             ds_config["fp16"] = {"enabled": True, "auto_cast": True}
         else:
             # fp32 master weights, bf16 forward under DeepSpeed's own autocast.

@@ -18,6 +18,7 @@ import torch
 from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.local_state import gathered_local_state, load_whole
 from polytrain.backends.core.precision import Precision
+from polytrain.backends.core.step_options import MicroBatch, StepOptions
 from polytrain.backends.core.strategy import TorchStrategy
 from polytrain.backends.deepspeed import shards as deepspeed_shards
 from polytrain.backends.deepspeed.env import (
@@ -95,8 +96,13 @@ class DeepSpeedStrategy(TorchStrategy):
         optimizer = components.optimizers[0]
         micro_batch = getattr(components.train_loader, "batch_size", None) or 1
         ds_config = self.config.worker_config(
-            micro_batch, ctx.world_size, use_fp16=ctx.use_fp16, device_type=ctx.device.type
+            micro_batch,
+            ctx.world_size,
+            use_fp16=ctx.use_fp16,
+            device_type=ctx.device.type,
+            step=ctx.step,
         )
+        self._step_options = ctx.step
         args = None
         if ctx.device.type == "cuda":
             # Ray's GPU index, not LOCAL_RANK, names this worker's device.
@@ -140,6 +146,50 @@ class DeepSpeedStrategy(TorchStrategy):
                 f"optimizer_index={optimizer_index!r}."
             )
         engine_state(components).engine.step()
+
+    _step_options: StepOptions = StepOptions()
+
+    def accumulation_loss(
+        self, loss: torch.Tensor, components: Components, micro: MicroBatch
+    ) -> torch.Tensor:
+        """Worker: tell the engine whether this micro-batch ends the step; undo its division.
+
+        ``engine.backward`` divides by the configured accumulation steps k itself;
+        a remainder step of ``micro.size < k`` micro-batches is scaled by k / size so
+        that it, too, averages its micro-batches. Without the trainer's
+        ``gradient_accumulation_steps`` the engine counts micro-batches on its own
+        (a DeepSpeed config's ``gradient_accumulation_steps``).
+        """
+        if not self._step_options.accumulates:
+            return loss
+        engine = engine_state(components).engine
+        engine.set_gradient_accumulation_boundary(micro.last)
+        return loss * (engine.gradient_accumulation_steps() / micro.size)
+
+    def end_micro_batch(self, components: Components, micro: MicroBatch) -> None:
+        """Worker: ``engine.step()`` after every micro-batch (it updates only at the boundary)."""
+        engine_state(components).engine.step()
+
+    def clip_grad_norm_(self, components: Components, max_norm: float) -> torch.Tensor | None:
+        """Worker: None; the engine clips inside ``step()`` to its ``gradient_clipping``.
+
+        Raises:
+            ValueError: ``max_norm`` differs from the engine's ``gradient_clipping``
+                (set from the trainer's ``max_grad_norm``).
+        """
+        clipping = engine_state(components).engine.gradient_clipping()
+        if not clipping or abs(clipping - max_norm) > 1e-12:
+            raise ValueError(
+                f"The deepspeed backend clips inside its engine's step to the configured "
+                f"gradient_clipping ({clipping!r}); clip_grad_norm_({max_norm!r}) cannot change "
+                f"it. Pass max_grad_norm={max_norm!r} to the trainer instead."
+            )
+        return None
+
+    def step_grad_norm(self, components: Components) -> float | None:
+        """Worker: the global norm the engine measured (before clipping) in its last step."""
+        norm = engine_state(components).engine.get_global_grad_norm()
+        return float(norm) if norm is not None else None
 
     def no_sync(self, components: Components) -> contextlib.AbstractContextManager:
         """Worker: a no-op; accumulate with ``gradient_accumulation_steps`` instead.

@@ -10,7 +10,7 @@ import torch
 from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.local_state import gathered_local_state, load_whole
-from polytrain.backends.core.precision import Precision, default_precision
+from polytrain.backends.core.precision import Precision, amp_dtype, default_precision
 from polytrain.backends.core.strategy import TorchStrategy
 from polytrain.backends.fairscale import common
 from polytrain.backends.fairscale import state as fairscale_state
@@ -50,6 +50,7 @@ class FairscaleFSDPStrategy(TorchStrategy):
             FullyShardedDataParallel(
                 model,
                 mixed_precision=ctx.use_fp16,
+                compute_dtype=amp_dtype(ctx),  # bf16 or fp16 as precision= says
                 reshard_after_forward=self.config.reshard_after_forward,
                 compute_device=ctx.device,
             )
@@ -78,6 +79,18 @@ class FairscaleFSDPStrategy(TorchStrategy):
         _sharding.replace_optimizers(components, over_flat_params)
         components.extra[common.OWNERS] = owners
         return components
+
+    def clip_grad_norm_(self, components: Components, max_norm: float) -> torch.Tensor | None:
+        """Worker: fairscale FSDP's ``clip_grad_norm_``, which reduces the norm over the shards.
+
+        Gradients are unscaled first. Local mode: plain torch.
+        """
+        if components.extra.get(common.OWNERS) is None:
+            return super().clip_grad_norm_(components, max_norm)
+        (components.precision or Precision()).unscale_(components.optimizers)
+        owned = common.owned(components)
+        norms = [model.clip_grad_norm_(max_norm) for _, model in owned if model is not None]
+        return torch.linalg.vector_norm(torch.stack([torch.as_tensor(n).float() for n in norms]))
 
     def no_sync(self, components: Components) -> contextlib.AbstractContextManager:
         """Worker: FSDP's ``no_sync`` (gradients accumulate locally until the next sync)."""

@@ -112,6 +112,18 @@ class FairscaleOSSStrategy(TorchStrategy):
             else:
                 optimizer.zero_grad()
 
+    def clip_grad_norm_(self, components: Components, max_norm: float) -> torch.Tensor | None:
+        """Worker: clip through ``OSS.clip_grad_norm``, which reduces the norm over the shards.
+
+        Each rank holds the reduced gradients of its own shard; gradients are unscaled
+        first. Local mode: plain torch.
+        """
+        if components.extra.get(common.OWNERS) is None:
+            return super().clip_grad_norm_(components, max_norm)
+        (components.precision or Precision()).unscale_(components.optimizers)
+        norms = [optimizer.clip_grad_norm(max_norm) for optimizer, _ in common.owned(components)]
+        return torch.linalg.vector_norm(torch.stack([torch.as_tensor(n).float() for n in norms]))
+
     def no_sync(self, components: Components) -> contextlib.AbstractContextManager:
         """Worker: the wrappers' ``no_sync`` (gradients accumulate locally until the next sync)."""
         return common.no_sync(components)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from polytrain.backends.core.backend import BackendConfig
 from polytrain.errors import ConfigError, ConfigTypeError
 
+#: The named wrap policies; a list of classes or class names is the other form.
+AUTO_WRAP_POLICIES = ("auto", "transformer", "size_based", "none")
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
-AUTO_WRAP_POLICIES = ("size_based", "none")
 FSDP_VERSIONS = (1, 2)
 
 
@@ -23,9 +27,10 @@ class FSDPConfig(BackendConfig):
             sharded; ZeRO-3, default), "SHARD_GRAD_OP" (parameters gathered from forward
             to backward; ZeRO-2) or "NO_SHARD" (replicated, like DDP; version 1 only).
             Version 2 maps them to ``reshard_after_forward`` True and False.
-        auto_wrap_policy: "size_based" (default: every submodule tree with at least
-            ``min_num_params`` parameters becomes its own FSDP unit, so only one unit's
-            parameters are gathered at a time) or "none" (one unit: the whole model).
+        auto_wrap_policy: which submodules become FSDP units, so only one unit's
+            parameters are gathered at a time: "auto" (default: the repeated blocks of a
+            transformer, else "size_based"), "transformer", a list of block classes or
+            class names, "size_based" or "none" (see :mod:`polytrain.backends.fsdp.wrap`).
         min_num_params: the size threshold of the "size_based" policy.
         sync_module_states: broadcast rank 0's parameters and buffers when wrapping.
         forward_prefetch: FSDP1's flag: gather the next unit's parameters during forward
@@ -36,7 +41,7 @@ class FSDPConfig(BackendConfig):
 
     version: int = 2
     sharding_strategy: str = "FULL_SHARD"
-    auto_wrap_policy: str = "size_based"
+    auto_wrap_policy: Any = "auto"
     min_num_params: int = 100_000
     sync_module_states: bool = True
     forward_prefetch: bool = False
@@ -50,11 +55,7 @@ class FSDPConfig(BackendConfig):
                 f"Must be one of {', '.join(repr(s) for s in SHARDING_STRATEGIES)}."
             )
         self.sharding_strategy = strategy
-        if self.auto_wrap_policy not in AUTO_WRAP_POLICIES:
-            raise ConfigError(
-                f"The provided auto_wrap_policy ({self.auto_wrap_policy!r}) is not supported. "
-                f"Must be one of {', '.join(repr(p) for p in AUTO_WRAP_POLICIES)}."
-            )
+        self.auto_wrap_policy = check_auto_wrap_policy(self.auto_wrap_policy)
         if isinstance(self.min_num_params, bool) or not isinstance(self.min_num_params, int):
             raise ConfigTypeError(
                 f"min_num_params must be a positive int; got {self.min_num_params!r}."
@@ -82,3 +83,35 @@ class FSDPConfig(BackendConfig):
                     f"{name}={value!r} is an FSDP1 option: version 2 (fully_shard) has no such "
                     f"setting. Add 'version': 1 to backend_config to use it, or drop it."
                 )
+
+
+AUTO_WRAP_POLICIES = ("auto", "transformer", "size_based", "none")
+
+
+def check_auto_wrap_policy(value: Any) -> str | tuple[Any, ...]:
+    """Driver: ``value`` as a policy name or a tuple of classes / class names.
+
+    Raises:
+        ConfigError: an unknown name, or a list with something else than classes and names.
+    """
+    if isinstance(value, str):
+        if value not in AUTO_WRAP_POLICIES:
+            raise ConfigError(
+                f"The provided auto_wrap_policy ({value!r}) is not supported. Must be one of "
+                f"{', '.join(repr(p) for p in AUTO_WRAP_POLICIES)}, or a list of module classes "
+                f"or class names to wrap (e.g. ['GPT2Block'])."
+            )
+        return value
+    items = tuple(value) if isinstance(value, (list, tuple, set)) else (value,)
+    bad = [item for item in items if not (isinstance(item, str) or _is_module_class(item))]
+    if not items or bad:
+        raise ConfigError(
+            f"auto_wrap_policy={value!r} is not supported: a list must hold nn.Module classes or "
+            f"class names (e.g. ['GPT2Block'] or [GPT2Block]); got {bad or 'an empty list'}. Or "
+            f"use one of {', '.join(repr(p) for p in AUTO_WRAP_POLICIES)}."
+        )
+    return items
+
+
+def _is_module_class(item: Any) -> bool:
+    return isinstance(item, type) and issubclass(item, torch.nn.Module)

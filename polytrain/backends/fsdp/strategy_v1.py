@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any
 
 import torch
@@ -11,9 +10,10 @@ import torch
 from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.local_state import load_whole, replicated_local_state
-from polytrain.backends.core.precision import Precision, default_precision
+from polytrain.backends.core.precision import Precision, amp_dtype, default_precision
 from polytrain.backends.core.strategy import TorchStrategy
 from polytrain.backends.fsdp import state_v1 as fsdp_state
+from polytrain.backends.fsdp import wrap as fsdp_wrap
 from polytrain.backends.fsdp.common import ShardedStates, broadcast_from_rank0
 from polytrain.backends.fsdp.config import FSDPConfig
 from polytrain.checkpoint.pieces import LocalState, ShardReader
@@ -62,18 +62,15 @@ class FSDP1Strategy(TorchStrategy):
 
     def wrap(self, model: torch.nn.Module, ctx: WorkerContext) -> torch.nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-        from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
         sync = self.config.sync_module_states
         if sync and ctx.device.type == "cpu":
             # FSDP's own sync_module_states insists on an accelerator: broadcast here.
             broadcast_from_rank0(model)
             sync = False
-        policy = None
-        if self.config.auto_wrap_policy == "size_based":
-            policy = functools.partial(
-                size_based_auto_wrap_policy, min_num_params=self.config.min_num_params
-            )
+        policy = fsdp_wrap.fsdp1_policy(
+            model, self.config.auto_wrap_policy, self.config.min_num_params
+        )
         return FullyShardedDataParallel(
             model,
             sharding_strategy=ShardingStrategy[self.config.sharding_strategy],
@@ -88,16 +85,31 @@ class FSDP1Strategy(TorchStrategy):
 
     @staticmethod
     def _mixed_precision(ctx: WorkerContext) -> Any:
-        if not ctx.use_fp16:
+        dtype = amp_dtype(ctx)  # fp16 (with a ShardedGradScaler) or bf16; None: fp32
+        if dtype is None:
             return None
         from torch.distributed.fsdp import MixedPrecision
 
-        # fp16 on GPU (with a ShardedGradScaler); bf16 on CPU, where fp16 kernels are slow
-        # or missing. Buffers (e.g. BatchNorm statistics) stay in full precision.
-        dtype = torch.float16 if ctx.device.type == "cuda" else torch.bfloat16
+        # Buffers (e.g. BatchNorm statistics) stay in full precision.
         return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype)
 
     # ------------------------------------------------------------------- step
+    def clip_grad_norm_(self, components: Components, max_norm: float) -> torch.Tensor | None:
+        """Worker: clip every sharded model with FSDP1's ``clip_grad_norm_`` (after unscaling).
+
+        FSDP1 leaves each rank the gradients of its own shard: torch's
+        ``clip_grad_norm_`` over them would measure one rank's part only, FSDP1's
+        all-reduces the squared norms first. Unsharded models (local mode) use plain
+        torch. With several sharded models each is clipped to ``max_norm`` on its own;
+        the returned norm is the global one over all of them.
+        """
+        sharded = [model for model in components.models if self.is_sharded(model)]
+        if not sharded:
+            return super().clip_grad_norm_(components, max_norm)
+        (components.precision or Precision()).unscale_(components.optimizers)
+        norms = [model.clip_grad_norm_(max_norm) for model in sharded]
+        return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+
     def no_sync(self, components: Components) -> contextlib.AbstractContextManager:
         """Worker: FSDP's ``no_sync`` (unsharded gradients accumulate until the next sync)."""
         from torch.distributed.fsdp import FullyShardedDataParallel

@@ -33,10 +33,11 @@ import torch
 from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.local_state import load_whole, replicated_local_state
-from polytrain.backends.core.precision import Precision, default_precision
+from polytrain.backends.core.precision import Precision, amp_dtype, default_precision
 from polytrain.backends.core.strategy import TorchStrategy
 from polytrain.backends.fsdp import state_v1 as fsdp_state
 from polytrain.backends.fsdp import state_v2 as fsdp2_state
+from polytrain.backends.fsdp import wrap as fsdp_wrap
 from polytrain.backends.fsdp.common import ShardedStates, broadcast_from_rank0
 from polytrain.backends.fsdp.config import FSDPConfig
 from polytrain.checkpoint.pieces import LocalState, ShardReader
@@ -87,11 +88,15 @@ def wrap_units(model: torch.nn.Module, auto_wrap_policy: str, min_num_params: in
 
     Args:
         model: the model to shard.
-        auto_wrap_policy: "size_based" or "none" (no units below the root).
+        auto_wrap_policy: "size_based", "none" (no units below the root), or a block
+            policy of :mod:`polytrain.backends.fsdp.wrap` ("auto" falls back to size).
         min_num_params: the size threshold.
     """
     if auto_wrap_policy == "none":
         return []
+    classes = fsdp_wrap.block_classes(model, auto_wrap_policy)
+    if classes:
+        return fsdp_wrap.block_units(model, classes)
     units: list[torch.nn.Module] = []
     counted: set[int] = set()
 
@@ -155,7 +160,7 @@ class FSDP2Strategy(TorchStrategy):
 
         if self.config.sync_module_states:
             broadcast_from_rank0(model)
-        dtype = mixed_precision_dtype(ctx.use_fp16, ctx.device.type)
+        dtype = amp_dtype(ctx)
         options = {
             "mesh": self._device_mesh(ctx),
             "reshard_after_forward": reshard_after_forward(self.config.sharding_strategy),
@@ -176,6 +181,9 @@ class FSDP2Strategy(TorchStrategy):
         return self._mesh
 
     # ------------------------------------------------------------------- step
+    # DTensor gradients: torch's clip_grad_norm_ reduces the norm across the shards.
+    clip_grad_norm_ = TorchStrategy.clip_grad_norm_
+
     @contextlib.contextmanager
     def no_sync(self, components: Components) -> Iterator[None]:
         """Worker: no gradient reduction (FSDP2's ``set_requires_gradient_sync(False)``)."""

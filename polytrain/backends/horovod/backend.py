@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from polytrain.backends.core.backend import Backend
+from polytrain.backends.core.step_options import StepOptions
 from polytrain.backends.horovod.config import HorovodConfig
 from polytrain.backends.horovod.rendezvous import (
     HorovodRendezvous,
@@ -32,6 +33,16 @@ class HorovodBackend(Backend):
 
     #: Stage GPU tensors through host memory even if Horovod can handle CUDA tensors.
     force_host_staging: bool = False
+
+    def validate_step_options(self, step: StepOptions) -> None:
+        """Driver: one way of accumulating: the trainer's or Horovod's, not both."""
+        if step.accumulates and self.config.backward_passes_per_step > 1:
+            raise ConfigError(
+                f"gradient_accumulation_steps={step.gradient_accumulation_steps} and the horovod "
+                f"backend's backward_passes_per_step={self.config.backward_passes_per_step} would "
+                f"accumulate twice. Drop backward_passes_per_step from backend_config: the "
+                f"trainer's keyword holds Horovod's allreduce back on the first k-1 batches."
+            )
 
     def validate_settings(self, *, num_workers: int, use_gpu: bool, use_fp16: bool) -> None:
         """Driver: refuse Adasum, which Horovod runs only over MPI (this backend uses gloo).

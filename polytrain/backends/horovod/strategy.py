@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 # Backward passes since the last optimizer step, kept with the components they count.
 _ACCUM_KEY = "horovod_backward_passes"
+# Set when clipping already waited for the allreduce: the step must not wait again.
+_SYNCED_KEY = "horovod_synchronized"
 
 
 def _hvd() -> Any:
@@ -147,15 +149,35 @@ class HorovodStrategy(TorchStrategy):
             else [components.optimizers[optimizer_index]]
         )
         scaler = components.scaler
+        synced = components.extra.pop(_SYNCED_KEY, False)
         for optimizer in optimizers:
             if scaler is not None:
-                optimizer.synchronize()
+                if not synced:
+                    optimizer.synchronize()
                 with optimizer.skip_synchronize():
                     scaler.step(optimizer)
+            elif synced:
+                with optimizer.skip_synchronize():
+                    optimizer.step()
             else:
                 optimizer.step()
         if scaler is not None:
             scaler.update()
+
+    def clip_grad_norm_(self, components: Components, max_norm: float) -> torch.Tensor | None:
+        """Worker: wait for the allreduce, unscale, then clip the averaged gradients.
+
+        Clipping before ``synchronize()`` would measure each rank's own, unreduced
+        gradients (the allreduce completes inside ``step()``); the next :meth:`step`
+        then skips its own synchronisation.
+        """
+        for optimizer in components.optimizers:
+            optimizer.synchronize()
+        components.extra[_SYNCED_KEY] = True
+        if components.precision is not None:
+            components.precision.unscale_(components.optimizers)
+        params = [p for group in _param_groups(components) for p in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     @contextlib.contextmanager
     def no_sync(self, components: Components) -> Iterator[None]:
@@ -192,6 +214,10 @@ class HorovodStrategy(TorchStrategy):
 
 
 # --------------------------------------------------------------------- helpers
+def _param_groups(components: Components) -> list[dict[str, Any]]:
+    return [group for optimizer in components.optimizers for group in optimizer.param_groups]
+
+
 class _HostStaging:
     """A Horovod compression that stages GPU tensors through host memory.
 

@@ -25,7 +25,7 @@ __all__ = ["StepCheckpointPlan", "combine_call_stats", "train_in_chunks"]
 PROBE_STEPS = 8
 
 #: Summed over the pieces of a call; the rest are sample-weighted means (or the last value).
-_SUMMED = ("num_samples", "num_steps", "epoch_time_s")
+_SUMMED = ("num_samples", "num_tokens", "num_steps", "epoch_time_s")
 _LAST = ("num_restarts", "num_workers", "epoch")
 _MAXED = ("peak_memory_mb",)
 
@@ -122,6 +122,8 @@ def combine_call_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
     combined["epoch"] = parts[0].get("epoch")  # the epoch the call's batches belonged to
     if combined.get("epoch_time_s"):
         combined["samples_per_s"] = combined.get("num_samples", 0) / combined["epoch_time_s"]
+        if "num_tokens" in combined:
+            combined["tokens_per_s"] = combined["num_tokens"] / combined["epoch_time_s"]
     profiles = [p["profile"] for p in parts if isinstance(p.get("profile"), dict)]
     if profiles:
         combined["profile"] = {k: sum(float(p.get(k, 0.0)) for p in profiles) for k in profiles[-1]}

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from polytrain.backends.registry import get_spec, resolve_backend_name
 from polytrain.errors import ConfigError, ConfigTypeError
@@ -54,6 +54,7 @@ from polytrain.trainer_api.options.run_config_schema import (
     FailureSection,
     FrameworkSection,
     ScalingSection,
+    StepFields,
     apply_overrides,
     check_import_path,
     check_logger_names,
@@ -78,7 +79,7 @@ __all__ = [
 ]
 
 
-class RunConfig(BaseModel):
+class RunConfig(StepFields):
     """A validated run config; build the trainer with :meth:`build_trainer`.
 
     Attributes:
@@ -94,10 +95,10 @@ class RunConfig(BaseModel):
         backend_config: the backend's options (its typed config's fields).
         num_workers: shortcut for ``scaling.num_workers``.
         use_gpu: shortcut for ``scaling.use_gpu``.
-        use_fp16: mixed precision.
+        use_fp16, max_grad_norm, gradient_accumulation_steps, precision: see :class:`StepFields`.
         use_tqdm: show a progress bar while training.
         epochs: epochs that ``polytrain train`` / ``compare`` run.
-        num_steps: train at most this many batches per epoch (None: whole epochs).
+        num_steps: at most this many optimizer steps per epoch (None: whole epochs).
         validate: validate after every epoch (needs a validation loader).
         scheduler_step_freq: "batch", "epoch" or "manual".
         scaling: :class:`~polytrain.ScalingConfig` fields.
@@ -124,7 +125,6 @@ class RunConfig(BaseModel):
     backend_config: dict[str, Any] | None = None
     num_workers: int | None = Field(default=None, ge=0)
     use_gpu: bool | None = None
-    use_fp16: bool = False
     use_tqdm: bool = False
     epochs: int = Field(default=1, ge=1)
     num_steps: int | None = Field(default=None, ge=1)
@@ -277,7 +277,7 @@ class RunConfig(BaseModel):
         }
         # Passed only where the trainer takes them, unless the config sets them.
         optional = {
-            "use_fp16": self.use_fp16,
+            **self.step_kwargs(),
             "use_tqdm": self.use_tqdm,
             "scheduler_step_freq": self.scheduler_step_freq,
             "loggers": self.loggers,

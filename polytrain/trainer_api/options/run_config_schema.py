@@ -20,6 +20,7 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from polytrain.backends.core.step_options import step_options
 from polytrain.errors import ConfigError, ConfigTypeError
 from polytrain.trainer_api.options.configs import CheckpointConfig, FailureConfig, ScalingConfig
 
@@ -167,12 +168,38 @@ FailureSection = _section_model(FailureConfig)
 CheckpointSection = _section_model(CheckpointConfig)
 
 
+class StepFields(BaseModel):
+    """The training step's options of a run config: the TorchTrainer keywords of the same names.
+
+    ``use_fp16`` (alias of ``precision: fp16``), ``max_grad_norm``, ``gradient_accumulation_steps``
+    and ``precision``: see :class:`~polytrain.backends.core.step_options.StepOptions`.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    use_fp16: bool = False
+    max_grad_norm: float | None = None
+    gradient_accumulation_steps: int = 1
+    precision: str | None = None
+
+    @model_validator(mode="after")
+    def _step_checks(self) -> StepFields:
+        step_options(
+            self.max_grad_norm, self.gradient_accumulation_steps, self.precision, self.use_fp16
+        )
+        return self
+
+    def step_kwargs(self) -> dict[str, Any]:
+        """The trainer keywords of these fields."""
+        return {name: getattr(self, name) for name in StepFields.model_fields}
+
+
 # --------------------------------------------------------- framework sections
 #: The frameworks a run config can carry a section for (``torch:``, ``tensorflow:``).
 FRAMEWORKS = ("torch", "tensorflow")
 
 
-class FrameworkSection(BaseModel):
+class FrameworkSection(StepFields):
     """A ``torch:`` or ``tensorflow:`` section: one framework's version of the same job.
 
     It holds what differs between the frameworks (the creators, and options only
@@ -267,7 +294,8 @@ def _allowed_keys(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
         model = next((a for a in typing.get_args(model) if _is_model(a)), model)
     if not _is_model(model):
         return []
-    return [f.alias or name for name, f in model.model_fields.items()]
+    fields = sorted(model.model_fields.items(), key=lambda f: f[0] in StepFields.model_fields)
+    return [f.alias or name for name, f in fields]  # own keys first, the step options after
 
 
 def _format_error(root: type[BaseModel], error: Mapping[str, Any]) -> str:

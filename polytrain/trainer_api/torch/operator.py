@@ -26,6 +26,7 @@ from polytrain.launchers.worker import report_progress
 from polytrain.trainer_api.data.loaders import move_to_device
 from polytrain.trainer_api.profiling import PhaseTimer
 from polytrain.trainer_api.results import is_finite_number
+from polytrain.trainer_api.torch import batches as default_step
 
 
 class NonFiniteLossError(PolytrainError, FloatingPointError):
@@ -70,38 +71,26 @@ class TrainingOperator:
         """Called once on every worker after the components are built and prepared."""
 
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
-        """One optimisation step on one batch; returns metrics including ``num_samples``.
+        """One micro-batch, and the optimizer step after a step's last; returns metrics.
 
-        The default expects ``(features, target)`` or ``(*features, target)`` and trains
-        ``self.model`` with ``self.optimizer``: with several models or optimizers it
-        raises :class:`~polytrain.errors.CreatorError` rather than train only the first.
+        The default takes ``(features, target)``, ``(*features, target)`` or a mapping
+        batch (``model(**batch)``; the output's own loss without a ``loss_creator``),
+        see :mod:`polytrain.trainer_api.torch.batches`, and trains ``self.model`` with
+        ``self.optimizer``: with several models or optimizers it raises
+        :class:`~polytrain.errors.CreatorError` rather than train only the first.
+        ``batch_info["micro_step"]`` and ``["num_micro_steps"]`` say where the batch
+        stands in its optimizer step (``gradient_accumulation_steps``). Metrics: ``loss``,
+        ``num_samples``, ``num_tokens`` for token batches, ``grad_norm`` with ``max_grad_norm``.
         """
         self.check_single_model()  # a custom train_epoch may call this step too
-        *features, target = batch
-        with self.autocast():
-            output = self.model(*features)
-            loss = self.criterion(output, target)
-        self.zero_grad()
-        self.backward(loss)
-        self.step()
-        return {"loss": loss.item(), "num_samples": _batch_len(target)}
+        return default_step.train_step(self, batch, batch_info)
 
     def validate_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
-        """Evaluate one batch; returns ``val_loss``, ``num_samples`` and, for class logits, ``val_accuracy``."""
-        *features, target = batch
-        with self.autocast():
-            output = self.model(*features)
-            loss = self.criterion(output, target)
-        stats = {"val_loss": loss.item(), "num_samples": _batch_len(target)}
-        if (
-            isinstance(output, torch.Tensor)
-            and output.dim() == 2
-            and isinstance(target, torch.Tensor)
-            and target.dim() == 1
-            and not target.is_floating_point()
-        ):
-            stats["val_accuracy"] = (output.argmax(dim=1) == target).float().mean().item()
-        return stats
+        """Evaluate one batch: ``val_loss``, ``num_samples``, ``val_accuracy`` for class logits.
+
+        Token batches add ``num_tokens``, causal language models ``val_perplexity``.
+        """
+        return default_step.validate_step(self, batch)
 
     def check_single_model(self) -> None:
         """Raise :class:`~polytrain.errors.CreatorError` if there is more than one model or optimizer.
@@ -148,6 +137,15 @@ class TrainingOperator:
         with self.timer.phase("step"):
             self.strategy.step(self.components, optimizer_index)
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor | None:
+        """Clip the global gradient norm where the backend needs it; the norm before clipping.
+
+        Call it between :meth:`backward` and :meth:`step`. ``None`` where the backend
+        clips inside its step (DeepSpeed, to the trainer's ``max_grad_norm``).
+        """
+        with self.timer.phase("step"):
+            return self.strategy.clip_grad_norm_(self.components, max_norm)
+
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Context for gradient accumulation: backward passes inside it do not synchronise."""
         return self.strategy.no_sync(self.components)
@@ -161,23 +159,26 @@ class TrainingOperator:
         """Run :meth:`train_batch` over ``iterator``; returns this worker's metrics for the call.
 
         ``iterator`` yields this call's batches: the rest of the epoch, or at most
-        ``info["num_steps"]``, continuing where the previous call stopped (it ends
-        early at the end of the epoch). ``info`` holds ``epoch_idx`` (also as
-        ``epoch``), ``num_steps`` and whatever the driver passed to ``train(info=...)``;
+        ``info["num_steps"]`` optimizer steps (of ``gradient_accumulation_steps``
+        batches each), continuing where the previous call stopped (it ends early at
+        the end of the epoch, whose remainder of batches gets a step). ``info`` holds
+        ``epoch_idx`` (also as ``epoch``), ``num_steps`` and whatever the driver passed
+        to ``train(info=...)``;
         each batch's ``batch_info`` adds ``batch_idx`` (the batch's index in the
         epoch) and ``global_step``.
         """
         self._set_train_mode(True)
         num_steps = info.get("num_steps")
         epoch = info.get("epoch_idx", info.get("epoch"))
-        total = _expected_steps(iterator, num_steps)
+        k = self.context.step.gradient_accumulation_steps
+        total = _expected_steps(iterator, num_steps, k)
         first_idx = int(info.get("first_batch_idx", 0))
         tally = _Tally()
         report_progress(0, total, phase="train", epoch=epoch)
-        for batch in iterator:
+        for batch, micro in default_step.micro_batches(iterator, k):
             if num_steps is not None and tally.steps >= num_steps:
                 break
-            batch_idx = first_idx + tally.steps
+            batch_idx = first_idx + tally.batches
             with self.timer.phase("data"):
                 batch = self.to_device(batch)
             batch_info = {
@@ -185,11 +186,15 @@ class TrainingOperator:
                 "batch_idx": batch_idx,
                 "epoch_idx": epoch,
                 "global_step": self.global_step,
+                "micro_step": micro.index,
+                "num_micro_steps": micro.size,
             }
             with self.timer.phase("batch"):
                 metrics = self.train_batch(batch, batch_info) or {}
             self._check_loss(metrics, epoch, batch_idx)
-            tally.add(metrics)
+            tally.add(metrics, step=micro.last)
+            if not micro.last:
+                continue
             self.global_step += 1
             if self.scheduler_step_freq == "batch":
                 self._step_schedulers()
@@ -243,6 +248,8 @@ class TrainingOperator:
         report_progress(0, None, phase="idle")
         if "val_loss" in result:
             self.last_val_loss = result["val_loss"]
+        if "val_perplexity" in result:  # of the mean loss, not the mean of the batches'
+            result["val_perplexity"] = default_step.perplexity(result["val_loss"])
         return result
 
     def _set_train_mode(self, training: bool) -> None:
@@ -324,20 +331,12 @@ class TrainingOperator:
         return self.context.use_fp16
 
 
-def _batch_len(target: Any) -> int:
-    if isinstance(target, torch.Tensor) and target.dim() > 0:
-        return int(target.shape[0])
-    try:
-        return len(target)
-    except TypeError:
-        return 1
-
-
 _END = object()
 
 
-def _expected_steps(iterator: Any, num_steps: int | None) -> int | None:
+def _expected_steps(iterator: Any, num_steps: int | None, k: int = 1) -> int | None:
     total = _safe_len(iterator)
+    total = -(-total // k) if total is not None else None  # optimizer steps, remainder too
     if num_steps is not None:
         total = num_steps if total is None else min(total, num_steps)
     return total
@@ -350,23 +349,26 @@ def _ends_epoch(iterator: Any) -> bool:
 
 
 class _Tally:
-    """Sample-weighted sums of a call's batch metrics."""
+    """Sample-weighted sums of a call's batch metrics (a metric over the batches reporting it)."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
         self.other: dict[str, Any] = {}
         self.samples = 0
-        self.steps = 0
+        self.steps = 0  # optimizer steps
+        self.batches = 0
         self.start = time.perf_counter()
 
-    def add(self, metrics: dict[str, Any]) -> None:
+    def add(self, metrics: dict[str, Any], step: bool = True) -> None:
         n = int(metrics.get("num_samples", 1)) if metrics else 1
-        _accumulate(metrics, n, self.sums, self.other)
+        _accumulate(metrics, n, self.sums, self.other, self.weights)
         self.samples += n
-        self.steps += 1
+        self.batches += 1
+        self.steps += int(step)
 
     def result(self, time_key: str) -> dict[str, Any]:
-        result = {key: value / max(self.samples, 1) for key, value in self.sums.items()}
+        result = {key: value / max(self.weights[key], 1) for key, value in self.sums.items()}
         result.update(self.other)
         result.update(
             {
@@ -378,6 +380,10 @@ class _Tally:
         return result
 
 
+#: Per-batch metrics that a call sums rather than averages.
+_COUNTS = frozenset({"num_tokens"})
+
+
 def _safe_len(iterable: Any) -> int | None:
     try:
         return len(iterable)
@@ -386,7 +392,11 @@ def _safe_len(iterable: Any) -> int | None:
 
 
 def _accumulate(
-    metrics: dict[str, Any], n: int, sums: dict[str, float], other: dict[str, Any]
+    metrics: dict[str, Any],
+    n: int,
+    sums: dict[str, float],
+    other: dict[str, Any],
+    weights: dict[str, float],
 ) -> None:
     for key, value in metrics.items():
         if key == "num_samples":
@@ -394,6 +404,9 @@ def _accumulate(
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            sums[key] = sums.get(key, 0.0) + float(value) * n
+            # Counts add up; anything else is a mean weighted by the batches' samples.
+            w = 1 if key in _COUNTS else n
+            sums[key] = sums.get(key, 0.0) + float(value) * w
+            weights[key] = weights.get(key, 0.0) + (0 if key in _COUNTS else n)
         else:
             other[key] = value

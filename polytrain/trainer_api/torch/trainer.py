@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from polytrain.backends.core.backend import Backend
+from polytrain.backends.core.step_options import step_options
 from polytrain.checkpoint import safetensors_export
 from polytrain.checkpoint.directory import SaveRequest
 from polytrain.errors import CheckpointError, ConfigError
@@ -61,7 +62,8 @@ class TorchTrainer(BaseTrainer):
             ``add_dist_sampler=False``. Leave it out when ``datasets`` is given.
         optimizer_creator: ``(model, config) -> Optimizer`` (or a tuple); gets the tuple
             of models when ``model_creator`` returns several.
-        loss_creator: a loss class (``torch.nn.CrossEntropyLoss``) or ``config -> callable``.
+        loss_creator: a loss class (``torch.nn.CrossEntropyLoss``) or ``config -> callable``;
+            optional for models whose output carries its loss (``output.loss``).
         scheduler_creator: ``(optimizer, config) -> scheduler``, optional.
         training_operator_cls: a :class:`TrainingOperator` subclass for custom steps.
         config: the user's hyperparameters; ``batch_size`` is the global batch.
@@ -71,7 +73,12 @@ class TorchTrainer(BaseTrainer):
         backend: a backend name or alias (see :func:`polytrain.available_backends`) or a
             :class:`~polytrain.backends.Backend` instance.
         backend_config: the backend's typed config, or a dict of its fields.
-        use_fp16: mixed precision (fp16 + GradScaler on GPU, bf16 autocast on CPU).
+        use_fp16: alias of ``precision="fp16"`` (fp16 + GradScaler on GPU, bf16 on CPU).
+        max_grad_norm: clip the global gradient norm to this before every optimizer step
+            and report ``grad_norm`` (the norm before clipping); None: off.
+        gradient_accumulation_steps: batches per optimizer step; ``num_steps`` and
+            ``global_step`` count optimizer steps (see the README's language model section).
+        precision: "fp32" (default), "bf16" or "fp16" (see :class:`~polytrain.backends.core.step_options.StepOptions`).
         use_tqdm: show rank 0's progress as a bar on the driver.
         scheduler_step_freq: "batch", "epoch" or "manual" (your operator steps it).
         add_dist_sampler: give the loaders a distributed sampler.
@@ -119,7 +126,11 @@ class TorchTrainer(BaseTrainer):
         init_hook: Callable[[], None] | None = None,
         loggers: Any = None,
         datasets: dict[str, Any] | None = None,
+        max_grad_norm: float | None = None,
+        gradient_accumulation_steps: int = 1,
+        precision: str | None = None,
     ) -> None:
+        self.step = step_options(max_grad_norm, gradient_accumulation_steps, precision, use_fp16)
         self.datasets = ray_data.check_datasets(datasets, data_creator)
         if self.datasets is not None:
             data_creator = ray_data.shard_loaders
@@ -127,11 +138,6 @@ class TorchTrainer(BaseTrainer):
         self.creators = TorchCreators(
             model_creator, data_creator, optimizer_creator, loss_creator, scheduler_creator
         )
-        if loss_creator is None and self.operator_cls.train_batch is TrainingOperator.train_batch:
-            raise ConfigError(
-                "loss_creator is required by the default training step; pass one (e.g. "
-                "torch.nn.CrossEntropyLoss) or a training_operator_cls that overrides train_batch."
-            )
         super().__init__(
             backend=backend,
             backend_config=backend_config,
@@ -142,11 +148,12 @@ class TorchTrainer(BaseTrainer):
             scaling_config=scaling_config,
             failure_config=failure_config,
             checkpoint_config=checkpoint_config,
-            use_fp16=use_fp16,
+            use_fp16=self.step.mixed,
             use_tqdm=use_tqdm,
             init_hook=init_hook,
             loggers=loggers,
         )
+        self.backend.validate_step_options(self.step)
         # Validates the global batch against the worker count (and warns on a remainder).
         self.worker_config = self._per_worker_config(self.config, self.scaling.num_workers)
         self.scheduler_step_freq = scheduler_step_freq
@@ -318,7 +325,8 @@ class TorchTrainer(BaseTrainer):
             ):  # each worker writes its part, the driver keeps the path
                 capture = self.checkpoints.request(self.epoch + 1)
                 if checkpoint_due and num_steps:  # where this call will stop, inside the epoch
-                    mid = self.checkpoints.request(self.epoch, self._epoch_step + num_steps)
+                    batches = num_steps * self.step.gradient_accumulation_steps
+                    mid = self.checkpoints.request(self.epoch, self._epoch_step + batches)
             else:
                 envelope = {
                     k: v for k, v in self.checkpoints.wrap_state({}).items() if k != "epoch"

@@ -250,7 +250,10 @@ def train_epoch(call: TrainCall) -> dict[str, Any]:
     }
     start = time.perf_counter()
     with operator.strategy.worker_scope(operator.context):
-        iterator = cursor.take(call.num_steps, operator.timer, call.end_epoch)
+        # num_steps counts optimizer steps, each of gradient_accumulation_steps batches.
+        k = operator.context.step.gradient_accumulation_steps
+        batches = call.num_steps * k if call.num_steps is not None else None
+        iterator = cursor.take(batches, operator.timer, call.end_epoch)
         stats = operator.train_epoch(iterator, info)
     elapsed = time.perf_counter() - start
     untouched = cursor.position == first and not cursor.exhausted
