@@ -1,4 +1,4 @@
-"""The ``polytrain`` command: train, compare, check, submit.
+"""The ``polytrain`` command: train, compare, check, submit, launch.
 
 ::
 
@@ -7,6 +7,7 @@
     polytrain compare -c examples/configs/digits_both.yaml     # torch and TensorFlow together
     polytrain check   [--address ADDR] [--backends ddp,fsdp]
     polytrain submit  --address http://HEAD:8265 -- polytrain train -c cfg.yaml
+    polytrain launch  -n 2 --max-restarts 1 train.py --epochs 3   # an unmodified torchrun script
 
 Overrides use dotted keys with YAML values: ``backend=horovod num_workers=4
 config.lr=0.05 scaling.num_cpus_per_worker=2``.
@@ -179,8 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from polytrain.cli.checkpoint import add_checkpoint
+    from polytrain.cli.launch import add_launch
 
-    for add in (_add_train, _add_compare, _add_check, _add_submit, add_checkpoint):
+    for add in (_add_train, _add_compare, _add_check, _add_submit, add_checkpoint, add_launch):
         add(sub)
     return parser
 

@@ -11,7 +11,8 @@ importing any framework. The floors, bottom to top::
     backends                  core/ (the contracts) and one folder per backend, which
                               imports no other backend's folder
     trainer_api               the trainers and what they run on the workers
-    lightning, tune           integrations built on the trainers and backends
+    lightning, tune, train    integrations built on the trainers and backends (train: the
+                              function API, Ray Train's ``ray.train``)
     __init__, __main__, cli, compare   the faces: nothing below them imports them
 
 No module imports itself back through a chain of imports (an import circle),
@@ -139,6 +140,7 @@ LAYER_RULES = {
         "polytrain.trainer_api",
         "polytrain.lightning",
         "polytrain.tune",
+        "polytrain.train",
         CLI,
         "polytrain.compare",
     ),
@@ -147,12 +149,14 @@ LAYER_RULES = {
         "polytrain.backends",
         "polytrain.lightning",
         "polytrain.tune",
+        "polytrain.train",
         CLI,
         "polytrain.compare",
     ),
     "polytrain.trainer_api": (
         "polytrain.lightning",
         "polytrain.tune",
+        "polytrain.train",
         CLI,
         "polytrain.compare.runner",
     ),
@@ -160,6 +164,7 @@ LAYER_RULES = {
         "polytrain.trainer_api",
         "polytrain.lightning",
         "polytrain.tune",
+        "polytrain.train",
         CLI,
         "polytrain.compare",
     ),

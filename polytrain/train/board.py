@@ -1,0 +1,128 @@
+"""The report board: where every rank's ``report`` meets, checkpoints commit and get pruned.
+
+One board per ``fit()``, a Ray actor (no CPU) the workers call from ``report``, or
+a plain object in local mode. A step's checkpoint directory is committed (its
+``COMMITTED`` marker written last, after ``.polytrain_metrics.json``) when every
+rank of the group has reported that step and at least one passed a checkpoint:
+all ranks have copied their files by then, since each reports after its copy.
+The board keeps rank 0's metrics of every step, across restarts of the group.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+from polytrain.checkpoint import layout
+from polytrain.checkpoint.storage import Storage
+from polytrain.train.config import CheckpointConfig
+
+METRICS_FILE = ".polytrain_metrics.json"
+
+
+class ReportBoard:
+    """Collects the reports of one run (driver-owned; workers call :meth:`report`).
+
+    Args:
+        run_url: the run's directory (local path or fsspec URL).
+        checkpoint_config: retention.
+    """
+
+    def __init__(self, run_url: str, checkpoint_config: CheckpointConfig) -> None:
+        self.root = Storage(run_url)
+        self.config = checkpoint_config
+        self.world_size = 1
+        self.history: list[dict[str, Any]] = []
+        self._pending: dict[int, dict[int, tuple[Any, bool]]] = {}
+        # (index, metrics) of every committed checkpoint, oldest first.
+        self.committed: list[tuple[int, dict[str, Any]]] = [
+            (order[0], self._read_metrics(name))
+            for order, name in layout.list_checkpoint_dirs(self.root)
+            if layout.is_committed(self.root.child(name))
+        ]
+
+    def _read_metrics(self, name: str) -> dict[str, Any]:
+        try:
+            return json.loads(self.root.child(name).read_bytes(METRICS_FILE))
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def new_attempt(self, world_size: int) -> int:
+        """Driver: a (re)started group of ``world_size``; returns the first free step index.
+
+        Reports of a dead attempt that not every rank made are dropped, and their
+        uncommitted directories deleted.
+        """
+        self.world_size = world_size
+        self._pending.clear()
+        done = {index for index, _ in self.committed}
+        # The dead attempt's workers are gone (the group is torn down before a restart):
+        # nothing writes into these any more.
+        for order, name in layout.list_checkpoint_dirs(self.root):
+            if order[0] not in done:
+                self.root.remove(name)
+        seen = [entry["_index"] for entry in self.history]
+        return max([*done, *seen], default=-1) + 1
+
+    def report(self, index: int, rank: int, metrics: Any, has_checkpoint: bool) -> None:
+        """Worker ``rank`` reported step ``index`` (metrics: rank 0's, else None)."""
+        pending = self._pending.setdefault(index, {})
+        pending[rank] = (metrics, has_checkpoint)
+        if len(pending) < self.world_size:
+            return
+        del self._pending[index]
+        metrics = dict(pending.get(0, ({}, False))[0] or {})
+        checkpoint_url = None
+        if any(has for _, has in pending.values()):
+            checkpoint_url = self._commit(index, metrics)
+        self.history.append(
+            {**metrics, "_index": index, "_timestamp": time.time(), "_checkpoint": checkpoint_url}
+        )
+
+    def _commit(self, index: int, metrics: dict[str, Any]) -> str:
+        name = layout.checkpoint_name(index)
+        target = self.root.child(name)
+        target.write_bytes(METRICS_FILE, json.dumps(metrics, default=repr).encode())
+        target.write_bytes(layout.MARKER, b"")  # last: the checkpoint is whole
+        self.committed.append((index, metrics))
+        self._prune()
+        return self.root.url_of(name)
+
+    def _prune(self) -> None:
+        keep = self.config.num_to_keep
+        if keep is None or len(self.committed) <= keep:
+            return
+        latest = self.committed[-1][0]
+        ranked = sorted(self.committed, key=self._score)  # worst first
+        doomed = {index for index, _ in ranked[: len(ranked) - keep]} - {latest}
+        for index in sorted(doomed):
+            self.root.remove(layout.checkpoint_name(index))
+        self.committed = [entry for entry in self.committed if entry[0] not in doomed]
+
+    def _score(self, entry: tuple[int, dict[str, Any]]) -> tuple[float, int]:
+        index, metrics = entry
+        attribute = self.config.checkpoint_score_attribute
+        if attribute is None:
+            return (0.0, index)
+        value = metrics.get(attribute)
+        if not isinstance(value, (int, float)) or math.isnan(value):
+            return (-math.inf, index)  # unscored checkpoints go first
+        return (value if self.config.checkpoint_score_order == "max" else -value, index)
+
+    # ------------------------------------------------------------- driver reads
+    def snapshot(self) -> dict[str, Any]:
+        """Driver: the history and the committed checkpoints (URL, metrics), oldest first."""
+        return {
+            "history": list(self.history),
+            "committed": [
+                (self.root.url_of(layout.checkpoint_name(i)), m) for i, m in self.committed
+            ],
+        }
+
+    def latest_checkpoint(self) -> str | None:
+        """The URL of the newest committed checkpoint, or None."""
+        if not self.committed:
+            return None
+        return self.root.url_of(layout.checkpoint_name(self.committed[-1][0]))

@@ -1,0 +1,284 @@
+"""The driver of the function API: run ``train_loop_per_worker`` on a worker group, restart it.
+
+:class:`DataParallelTrainer` has Ray Train's shape (``fit() -> Result``). It runs on
+polytrain's own machinery: a :class:`_LoopRunner` (a
+:class:`~polytrain.trainer_api.trainer.BaseTrainer`) starts the worker group with
+``make_group`` (warm pool included), connects it with the backend's rendezvous
+(process group, Horovod, ...), and restarts it after a lost or hung worker as
+``FailureConfig.max_failures`` allows; each restart runs the loop again, where
+``get_checkpoint()`` returns the latest committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from polytrain.backends.core.backend import Backend
+from polytrain.checkpoint.storage import Storage
+from polytrain.errors import ConfigError, ConfigTypeError
+from polytrain.launchers.base import WorkerGroup
+from polytrain.launchers.scaling import ScalingConfig
+from polytrain.train import worker_entry
+from polytrain.train.board import ReportBoard
+from polytrain.train.checkpoint import Checkpoint
+from polytrain.train.config import DEFAULT_STORAGE_PATH, RunConfig, coerce
+from polytrain.train.result import Result
+from polytrain.trainer_api.options.configs import coerce_config
+from polytrain.trainer_api.trainer import BaseTrainer
+
+
+def check_loop(fn: Any, config: dict[str, Any] | None) -> bool:
+    """Driver: whether ``fn`` takes the config (one argument) or nothing.
+
+    Raises:
+        ConfigTypeError: not callable, or a signature that takes neither.
+    """
+    if not callable(fn):
+        raise ConfigTypeError(
+            f"train_loop_per_worker must be a function of no arguments or of one (the config); "
+            f"got {type(fn).__name__}: {fn!r}."
+        )
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return config is not None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
+    required_kw = [p for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    if len(required) > 1 or required_kw or (not positional and not varargs and config):
+        raise ConfigTypeError(
+            f"train_loop_per_worker {getattr(fn, '__name__', fn)}{inspect.signature(fn)} must "
+            f"take no arguments or exactly one (the train_loop_config dict)"
+            + (f"; train_loop_config={config!r} needs one" if config else "")
+            + ". Define it as `def train_loop_per_worker(config):`."
+        )
+    return bool(positional or varargs) and (config is not None or bool(required))
+
+
+class _LoopRunner(BaseTrainer):
+    """The worker group's life for one ``fit()``: start, connect, run, restart."""
+
+    def __init__(self, owner: DataParallelTrainer) -> None:
+        self.owner = owner
+        super().__init__(
+            backend=owner.backend,
+            backend_config=owner.backend_config,
+            scaling_config=owner.scaling_config,
+            failure_config=owner.run_config.failure_config.to_polytrain(),
+            use_fp16=owner.use_fp16,
+        )
+        self._start()
+
+    def _setup_workers(self, group: WorkerGroup) -> None:
+        owner = self.owner
+        shards = owner.split_datasets(len(group))
+        spec = worker_entry.LoopSpec(
+            fn=owner.train_loop_per_worker,
+            config=owner.train_loop_config,
+            takes_config=owner.takes_config,
+            backend=self.backend,
+            context=self._context_template(),
+            board=owner.board_handle,
+            run_url=owner.run_url,
+            experiment_name=owner.name,
+        )
+        group.get(
+            [
+                group.execute_single_async(
+                    rank, worker_entry.setup_session, spec, info, device, shards[rank]
+                )
+                for rank, (info, device) in enumerate(
+                    zip(group.rank_infos, group.device_indices, strict=True)
+                )
+            ]
+        )
+
+    def _worker_state(self) -> dict[str, Any]:
+        raise ConfigError("A function-API trainer holds no state; report checkpoints instead.")
+
+    def _load_worker_state(self, state: dict[str, Any]) -> None:
+        raise ConfigError("A function-API trainer holds no state; use resume_from_checkpoint.")
+
+    def run(self) -> None:
+        """Run the loop on every worker; a retried attempt starts from the latest checkpoint."""
+        self._run(worker_entry.run_loop, args_fn=self.owner.attempt_args)
+
+
+class _TFLoopRunner(_LoopRunner):
+    """The worker group of a TensorFlow loop (a backend of the tensorflow framework)."""
+
+    framework = "tensorflow"
+
+
+class DataParallelTrainer:
+    """Run your own training function on every worker (Ray Train's ``DataParallelTrainer``).
+
+    Args:
+        train_loop_per_worker: ``fn()`` or ``fn(config)``, run on every worker.
+        train_loop_config: the dict passed to the function.
+        backend: a backend name (``ddp``, ``horovod``, ``fairscale``, ``fsdp``,
+            ``deepspeed``) or a :class:`~polytrain.backends.Backend`.
+        backend_config: the backend's typed config, or a dict of its fields.
+        scaling_config: :class:`~polytrain.launchers.scaling.ScalingConfig` or a dict.
+        run_config: :class:`~polytrain.train.config.RunConfig` (storage, name, failures,
+            checkpoint retention).
+        datasets: ``{name: ray.data.Dataset}``; each worker reads its split with
+            ``get_dataset_shard(name)``.
+        resume_from_checkpoint: a :class:`Checkpoint` that ``get_checkpoint()`` returns
+            until the run commits its own.
+        use_fp16: the backend's mixed precision (``autocast()`` and ``backward()``).
+    """
+
+    _default_backend = "ddp"
+    _runner_cls: type[_LoopRunner] = _LoopRunner
+
+    def __init__(
+        self,
+        train_loop_per_worker: Callable[..., Any],
+        *,
+        train_loop_config: dict[str, Any] | None = None,
+        backend: str | Backend | None = None,
+        backend_config: Any = None,
+        scaling_config: ScalingConfig | dict | None = None,
+        run_config: RunConfig | dict | None = None,
+        datasets: dict[str, Any] | None = None,
+        resume_from_checkpoint: Checkpoint | None = None,
+        use_fp16: bool = False,
+    ) -> None:
+        if train_loop_config is not None and not isinstance(train_loop_config, dict):
+            raise ConfigTypeError(
+                f"train_loop_config must be a dict or None; got "
+                f"{type(train_loop_config).__name__}: {train_loop_config!r}."
+            )
+        self.takes_config = check_loop(train_loop_per_worker, train_loop_config)
+        self.train_loop_per_worker = train_loop_per_worker
+        self.train_loop_config = dict(train_loop_config or {})
+        self.backend = backend if backend is not None else self._default_backend
+        self.backend_config = backend_config
+        self.scaling_config = coerce_config(ScalingConfig, scaling_config, "scaling_config")
+        self.run_config = coerce(RunConfig, run_config, "run_config")
+        self.datasets = _check_datasets(datasets)
+        if resume_from_checkpoint is not None and not isinstance(
+            resume_from_checkpoint, Checkpoint
+        ):
+            raise ConfigTypeError(
+                f"resume_from_checkpoint must be a polytrain.train.Checkpoint; got "
+                f"{type(resume_from_checkpoint).__name__}: {resume_from_checkpoint!r}."
+            )
+        self.resume_from_checkpoint = resume_from_checkpoint
+        self.use_fp16 = bool(use_fp16)
+        stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+        self.name = self.run_config.name or f"{type(self).__name__}_{stamp}"
+        storage_path = self.run_config.storage_path or DEFAULT_STORAGE_PATH
+        self.run_url = Storage(storage_path).child(self.name).url
+        self.board: ReportBoard | None = None
+        self.board_handle: Any = None
+
+    # --------------------------------------------------------------- driver
+    def split_datasets(self, num_workers: int) -> list[dict[str, Any]]:
+        """One ``{name: DataIterator}`` per worker (a fresh split for every group)."""
+        shards: list[dict[str, Any]] = [{} for _ in range(num_workers)]
+        for name, dataset in self.datasets.items():
+            for rank, iterator in enumerate(dataset.streaming_split(num_workers, equal=True)):
+                shards[rank][name] = iterator
+        return shards
+
+    def attempt_args(self) -> tuple[int, str | None]:
+        """The arguments of one attempt: the first step index and the checkpoint to start from."""
+        size = self._runner.num_workers  # the restarted group's size (elastic: maybe fewer)
+        start = self._board_call("new_attempt", max(size, 1))
+        latest = self._board_call("latest_checkpoint")
+        if latest is None and self.resume_from_checkpoint is not None:
+            latest = self.resume_from_checkpoint.path
+        return start, latest
+
+    def _board_call(self, method: str, *args: Any) -> Any:
+        if self.board is not None:
+            return getattr(self.board, method)(*args)
+        import ray
+
+        return ray.get(getattr(self.board_handle, method).remote(*args))
+
+    def _make_board(self) -> None:
+        config = self.run_config.checkpoint_config
+        Storage(self.run_url).makedirs()
+        if self.scaling_config.local_mode:
+            self.board = self.board_handle = ReportBoard(self.run_url, config)
+            return
+        from polytrain.launchers.cluster.connect import ensure_ray
+
+        ensure_ray(self.scaling_config.address)
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # On the driver's node: a local storage_path is where the driver reads the result.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        actor = ray.remote(num_cpus=0, max_restarts=0, scheduling_strategy=here)(ReportBoard)
+        self.board_handle = actor.remote(self.run_url, config)
+
+    def fit(self) -> Result:
+        """Run the loop on every worker until it returns; a lost worker restarts it.
+
+        Returns:
+            :class:`Result`: rank 0's last metrics, the latest committed checkpoint, the
+            run's path and every report as ``metrics_dataframe``.
+
+        Raises:
+            WorkerError: the loop raised on a worker (its rank and traceback attached), or
+                workers died more often than ``FailureConfig.max_failures`` allows.
+        """
+        self._make_board()
+        self._runner: _LoopRunner | None = None
+        try:
+            self._runner = self._runner_cls(self)
+            self._runner.run()
+            return self._result()
+        finally:
+            if self._runner is not None:
+                self._runner.shutdown()
+            if self.board is None and self.board_handle is not None:
+                import ray
+
+                ray.kill(self.board_handle)
+
+    def _result(self) -> Result:
+        snapshot = self._board_call("snapshot")
+        history = snapshot["history"]
+        committed = snapshot["committed"]
+        best = [(Checkpoint(url), metrics) for url, metrics in committed]
+        return Result(
+            metrics=_public(history[-1]) if history else {},
+            checkpoint=best[-1][0] if best else None,
+            error=None,
+            path=self.run_url,
+            metrics_history=[_public(entry) for entry in history],
+            best_checkpoints=best,
+        )
+
+
+def _public(entry: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in entry.items() if not k.startswith("_")}
+
+
+def _check_datasets(datasets: Any) -> dict[str, Any]:
+    if datasets is None:
+        return {}
+    if not isinstance(datasets, dict):
+        raise ConfigTypeError(
+            f"datasets must be a dict of names to ray.data.Dataset; got "
+            f"{type(datasets).__name__}: {datasets!r}."
+        )
+    for name, dataset in datasets.items():
+        if not hasattr(dataset, "streaming_split"):
+            raise ConfigTypeError(
+                f"datasets[{name!r}] must be a ray.data.Dataset (e.g. ray.data.from_items(...)); "
+                f"got {type(dataset).__name__}."
+            )
+    return dict(datasets)
+
+
+__all__ = ["DataParallelTrainer", "check_loop"]

@@ -1,0 +1,85 @@
+"""What the function API runs inside every worker: set up the session, run the user's loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from polytrain.backends.core.backend import Backend
+from polytrain.backends.core.context import WorkerContext
+from polytrain.train import session as train_session
+from polytrain.train.checkpoint import Checkpoint
+
+
+@dataclass
+class LoopSpec:
+    """Everything a worker needs to run the loop (sent once per group start)."""
+
+    fn: Any
+    config: dict[str, Any]
+    takes_config: bool
+    backend: Backend
+    context: WorkerContext
+    board: Any
+    run_url: str
+    experiment_name: str
+
+
+_SPEC = "polytrain_train_spec"
+
+
+def setup_session(
+    spec: LoopSpec, rank_info: Any, device_index: int, shards: dict[str, Any]
+) -> None:
+    """Worker: place this worker, make the backend's strategy, and hold the session."""
+    from polytrain.launchers.worker import WORKER_STATE
+
+    if spec.backend.framework == "tensorflow":
+        # No torch in a TensorFlow worker; the loop builds its tf.distribute strategy.
+        ctx = spec.context.for_rank(rank_info)
+    else:
+        ctx = spec.context.place(rank_info, device_index)
+        if not ctx.local_mode:
+            import torch
+
+            torch.set_num_threads(max(1, int(ctx.num_cpus)))
+    context = train_session.TrainContext(
+        world_rank=ctx.world_rank,
+        world_size=ctx.world_size,
+        local_rank=ctx.local_rank,
+        local_world_size=ctx.local_world_size,
+        node_rank=ctx.node_rank,
+        experiment_name=spec.experiment_name,
+        storage_path=spec.run_url,
+    )
+    strategy = spec.backend.make_strategy()
+    WORKER_STATE[_SPEC] = (
+        spec,
+        train_session.Session(
+            context=context,
+            worker_context=ctx,
+            board=spec.board,
+            run_url=spec.run_url,
+            dataset_shards=shards,
+            strategy=strategy,
+        ),
+    )
+
+
+def run_loop(start_index: int, checkpoint_url: str | None) -> None:
+    """Worker: run the user's function once, from step ``start_index`` and that checkpoint."""
+    from polytrain.launchers.worker import WORKER_STATE
+
+    spec, session = WORKER_STATE[_SPEC]
+    session.next_index = start_index
+    session.checkpoint = Checkpoint(checkpoint_url) if checkpoint_url else None
+    session.components = None
+    train_session.start(session)
+    try:
+        with session.strategy.worker_scope(session.worker_context):
+            if spec.takes_config:
+                spec.fn(dict(spec.config))
+            else:
+                spec.fn()
+    finally:
+        train_session.end()
