@@ -164,6 +164,11 @@ def write_part(
     return index
 
 
+def failure_marker(rank: int) -> str:
+    """``rank_00001.failed``: the empty file a rank whose write failed leaves for rank 0."""
+    return rank_file(rank, "failed")
+
+
 def meta_bytes(meta_state: dict[str, Any]) -> tuple[str, bytes]:
     """``meta.pt``: ``meta_state`` serialised now (``torch.save``), so later training cannot leak in."""
     import torch
@@ -226,6 +231,12 @@ def commit(
         missing = [n for n in names if not storage.exists(n)]
         if not missing:
             break
+        failed = [r for r in range(world_size) if storage.exists(failure_marker(r))]
+        if failed:
+            raise CheckpointError(
+                f"Checkpoint {storage.url!r} was not committed: rank(s) {failed} failed to "
+                f"write their part (see their error)."
+            )
         if time.monotonic() > deadline:
             raise CheckpointError(
                 f"Checkpoint {storage.url!r} was not committed: {missing[:4]} did not appear "

@@ -283,6 +283,31 @@ def latest_committed(root: Storage) -> str | None:
     return None
 
 
+def newest_loadable(
+    root: Storage, framework: str | None = None
+) -> tuple[CheckpointDir | None, list[tuple[str, str]]]:
+    """The newest checkpoint below ``root`` that validates, and the newer ones skipped on the way.
+
+    A directory without its commit marker (an interrupted save) and a committed one
+    that fails validation (a truncated or missing rank file, a corrupted manifest or
+    ``meta.pt``) are skipped, each with the reason, newest first.
+
+    Returns:
+        ``(checkpoint or None, [(url, reason), ...])``.
+    """
+    skipped: list[tuple[str, str]] = []
+    for _, name in reversed(list_checkpoint_dirs(root)):
+        url = root.url_of(name)
+        if not is_committed(root.child(name)):
+            skipped.append((url, f"no {MARKER} marker: its save did not complete"))
+            continue
+        try:
+            return open_checkpoint(url, framework), skipped
+        except CheckpointError as exc:
+            skipped.append((url, str(exc)))
+    return None, skipped
+
+
 def prune(root: Storage, num_to_keep: int, keep: set[str] = frozenset()) -> list[str]:
     """Delete all but the newest ``num_to_keep`` committed checkpoints below ``root``.
 

@@ -46,6 +46,7 @@ class TrainerCheckpoints:
         self._probed_group: Any = None  # the group asked whether it sees the directory
         self._shared = False
         self._resumed = False
+        self._failed_writes = 0  # checkpoint writes failed in a row
 
     def header(self, epoch: int) -> dict[str, Any]:
         """What a checkpoint's manifest records about the run (``epoch``: epochs completed)."""
@@ -104,8 +105,30 @@ class TrainerCheckpoints:
         self._probed_group, self._shared = self.trainer._group, not missing
         return self._shared
 
-    def keep_directory(self, stats: dict[str, Any], written: list[dict[str, Any]]) -> None:
-        """Driver: the workers wrote (or are writing) a checkpoint; keep its path as the recovery point."""
+    def keep_directory(self, stats: dict[str, Any], written: list[dict[str, Any]]) -> bool:
+        """Driver: the workers wrote (or are writing) a checkpoint; keep its path as the recovery point.
+
+        A write that failed on some rank (disk full, permission lost, a store that
+        errors) is dropped: the directory is removed (it was never committed), the
+        previous checkpoint stays the recovery point, ``stats["checkpoint_error"]``
+        names the path and the cause, and a warning says so. Training goes on until
+        ``failure_config.max_checkpoint_failures`` writes in a row failed.
+
+        Returns:
+            Whether the checkpoint was written (or is being written in the background).
+
+        Raises:
+            CheckpointError: ``max_checkpoint_failures`` consecutive writes failed.
+        """
+        errors = [w["previous_error"] for w in written if w.get("previous_error")]
+        if errors:
+            self._write_failed(stats, written[0].get("previous_path") or "", errors[0], False)
+        failed = [w["error"] for w in written if w.get("error")]
+        if failed:
+            self._write_failed(stats, written[0]["path"], failed[0], True)
+            return False
+        if not errors:
+            self._failed_writes = 0
         path = self.trainer.checkpoint_manager.record(written)
         if not any(w.get("pending") for w in written):
             self.trainer.recovery.latest = RecoveryPoint(
@@ -113,12 +136,31 @@ class TrainerCheckpoints:
             )
         if path is not None:
             stats["checkpoint_path"] = path
-        errors = [w["previous_error"] for w in written if w.get("previous_error")]
-        if errors:
-            logger.warning(
-                "A background checkpoint write failed (it was not committed): %s", errors[0]
+        return True
+
+    def _write_failed(self, stats: dict[str, Any], url: str, error: str, remove: bool) -> None:
+        """Count a failed checkpoint write, log it, drop its directory; raise past the limit."""
+        self._failed_writes += 1
+        limit = self.trainer.failure.max_checkpoint_failures
+        previous = self.trainer.checkpoint_manager.latest_path
+        stats["checkpoint_error"] = error
+        if remove and url:
+            try:  # frees the space a full disk needs for the next write
+                self.trainer.checkpoint_manager.root().child(url.rsplit("/", 1)[-1]).remove()
+            except OSError as exc:
+                logger.warning("Could not remove the uncommitted checkpoint %s: %s", url, exc)
+        message = (
+            f"Checkpoint {url or '(background write)'} was not written ({error}); it is not "
+            f"committed and never loaded. The previous checkpoint stays the one to resume "
+            f"from: {previous or 'none yet'}. Failed writes in a row: {self._failed_writes} of "
+            f"failure_config.max_checkpoint_failures={limit}."
+        )
+        if self._failed_writes >= limit:
+            raise CheckpointError(
+                f"{message} Training stops: free space or fix the storage's permissions, "
+                f"then resume (resume=True, or load() the previous checkpoint)."
             )
-            stats["checkpoint_error"] = errors[0]
+        logger.warning("%s Training continues.", message)
 
     def keep_state(
         self, stats: dict[str, Any], state: dict[str, Any] | None, path: str | None
@@ -169,12 +211,19 @@ class TrainerCheckpoints:
         """Driver, after the first start: with ``resume=True``, load the newest committed checkpoint.
 
         Runs once per trainer (a later restart restores its own recovery point).
-        Without a committed checkpoint in ``checkpoint_dir`` the run starts fresh.
+        A newer checkpoint that is uncommitted (an interrupted save) or damaged (a
+        truncated rank file) is skipped with a warning naming it; without a loadable
+        checkpoint in ``checkpoint_dir`` the run starts fresh.
         """
         if not getattr(self.trainer.checkpoint, "resume", False) or self._resumed:
             return
         self._resumed = True
-        newest = layout.latest_committed(self.trainer.checkpoint_manager.root())
+        found, skipped = layout.newest_loadable(
+            self.trainer.checkpoint_manager.root(), self.trainer.framework
+        )
+        for url, reason in skipped:
+            logger.warning("resume=True: skipping checkpoint %s: %s", url, reason)
+        newest = found.url if found is not None else None
         if newest is None:
             logger.info(
                 "resume=True: no committed checkpoint in %s; starting fresh.",

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from polytrain.errors import CheckpointError
 from polytrain.launchers.worker import WORKER_STATE
 
 if TYPE_CHECKING:  # torch is imported only by a save: a TensorFlow worker's flush stays light
@@ -118,6 +119,7 @@ def save_local_state(
     }
     if previous["error"]:
         result["previous_error"] = previous["error"]
+        result["previous_path"] = previous["path"]
     if request.asynchronous:
         frozen = snapshot(mine, copy=True, staging=writer().staging)
         result["snapshot_s"] = time.perf_counter() - begin
@@ -125,6 +127,35 @@ def save_local_state(
             request.url, lambda: write_part(request, rank, world_size, frozen, meta, rng)
         )
         return result
-    write_part(request, rank, world_size, snapshot(mine, copy=False), meta, rng)
+    try:
+        write_part(request, rank, world_size, snapshot(mine, copy=False), meta, rng)
+    except (OSError, CheckpointError) as exc:
+        # Disk full, permission lost, a remote store that errors: the checkpoint stays
+        # uncommitted (never loaded), the previous one is untouched; the driver decides.
+        result["error"] = describe_write_error(request.url, exc)
+        mark_failed(request.url, rank)
+        logger.error("Checkpoint write failed on rank %d: %s", rank, result["error"])
     result["write_s"] = time.perf_counter() - begin
     return result
+
+
+def describe_write_error(url: str, exc: BaseException) -> str:
+    """``exc`` of a failed checkpoint write as one line naming the path and the cause (errno name)."""
+    import errno
+
+    code = getattr(exc, "errno", None)
+    name = errno.errorcode.get(code, "") if isinstance(code, int) else ""
+    where = getattr(exc, "filename", None) or url
+    return f"writing {where} failed: {type(exc).__name__}{f' [{name}]' if name else ''}: {exc}"
+
+
+def mark_failed(url: str, rank: int) -> None:
+    """Leave an empty ``rank_NNNNN.failed`` file so that rank 0 stops waiting for this rank (best effort)."""
+    from polytrain.checkpoint.directory import failure_marker
+    from polytrain.checkpoint.storage import Storage
+
+    try:
+        storage = Storage(url)
+        storage.fs.touch(storage.path(failure_marker(rank)))
+    except Exception:  # noqa: BLE001 (rank 0 then waits up to commit_timeout_s)
+        logger.warning("Could not mark rank %d's failed checkpoint write in %s", rank, url)

@@ -55,16 +55,23 @@ class FailureConfig:
             timeout of the torch backends, Horovod's gloo timeout). TensorFlow's
             ``mwms`` backend has its own, off by default:
             ``backend_config={"collective_timeout_s": ...}`` (see ``MWMSConfig``).
+        max_checkpoint_failures: checkpoint writes that may fail in a row (disk full,
+            permission lost, a store that errors) before ``train()`` raises
+            :class:`~polytrain.errors.CheckpointError`; until then training continues with a
+            warning and a ``checkpoint_error`` metric, and the previous checkpoint stays
+            the one to resume from. 1 stops at the first failed write.
     """
 
     max_retries: int = 3
     hang_timeout_s: float | None = None
     collective_timeout_s: float = 1800.0
+    max_checkpoint_failures: int = 3
 
     def __post_init__(self) -> None:
         check_int("max_retries", self.max_retries, 0)
         check_number("hang_timeout_s", self.hang_timeout_s, 0, allow_none=True)
         check_number("collective_timeout_s", self.collective_timeout_s, 1)
+        check_int("max_checkpoint_failures", self.max_checkpoint_failures, 1)
 
 
 @dataclass
