@@ -118,3 +118,27 @@ class UnknownBackendError(ConfigError):
 
 class MissingDependencyError(PolytrainError, ImportError):
     """An optional framework that a requested feature needs is not installed."""
+
+
+class PreemptedError(PolytrainError, RuntimeError):
+    """Training stopped on a termination signal (SIGTERM: Slurm preemption, a pod eviction).
+
+    Raised by ``train()`` once the workers' checkpoint at the stop (the data position
+    and random states) is committed and the trainer is shut down; the same script
+    with ``resume=True`` (``polytrain train --resume``) continues with no step lost.
+
+    Attributes:
+        checkpoint_path: the committed checkpoint to resume from (None if its write failed).
+        signal_number: the signal received.
+        exit_code: the exit status a script should end with: 143 (128 + SIGTERM), what
+            ``polytrain train`` returns.
+    """
+
+    exit_code = 143
+
+    def __init__(
+        self, message: str, checkpoint_path: str | None = None, signal_number: int = 15
+    ) -> None:
+        super().__init__(message)
+        self.checkpoint_path = checkpoint_path
+        self.signal_number = signal_number

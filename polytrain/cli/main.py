@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``polytrain`` command; returns its exit status."""
     from polytrain.compat import quiet
-    from polytrain.errors import ConfigError, PolytrainError
+    from polytrain.errors import ConfigError, PolytrainError, PreemptedError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -204,6 +204,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--env takes KEY=VALUE; got {bad}")
     try:
         return args.func(args)
+    except PreemptedError as exc:
+        # SIGTERM (Slurm preemption, a pod eviction): the checkpoint at the stop is
+        # committed; the same command with --resume continues there.
+        print_error(str(exc))
+        return exc.exit_code
     except (PolytrainError, ConnectionError, ValueError, ImportError, FileNotFoundError) as exc:
         # A bad config value, option or backend name (UnknownBackendError is a
         # ConfigError too) is a usage error; anything else failed while running.

@@ -12,6 +12,8 @@ hooks: how workers are set up, and how a state leaves and enters them.
 from __future__ import annotations
 
 import abc
+import functools
+import logging
 import os
 import weakref
 from collections.abc import Callable
@@ -21,7 +23,7 @@ from polytrain.backends.core.backend import Backend
 from polytrain.backends.core.context import WorkerContext
 from polytrain.backends.core.rendezvous import Rendezvous
 from polytrain.backends.registry import get_backend
-from polytrain.errors import ConfigTypeError, TrainerShutdownError
+from polytrain.errors import ConfigTypeError, PreemptedError, TrainerShutdownError
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.factory import make_group
 from polytrain.launchers.pool import warm_pool as pool
@@ -43,7 +45,10 @@ from polytrain.trainer_api.policies import (
     ProgressReporter,
     ScalingPolicy,
 )
+from polytrain.trainer_api.policies.preemption import TerminationWatch
 from polytrain.trainer_api.tracking import TrainerLoggers
+
+logger = logging.getLogger(__name__)
 
 
 def _shutdown_group(rendezvous: Rendezvous | None, group: WorkerGroup, force: bool = False) -> None:
@@ -200,6 +205,14 @@ class BaseTrainer(abc.ABC):
     def num_restarts(self) -> int:
         """Restarts of the worker group after lost or hung workers so far."""
         return self.failure_policy.num_restarts
+
+    @functools.cached_property
+    def preemption(self) -> TerminationWatch:
+        """SIGTERM during ``train()``: a checkpoint at the next boundary, then PreemptedError.
+
+        Only with a ``checkpoint_dir`` (README: Failures).
+        """
+        return TerminationWatch(enabled=self.checkpoint.checkpoint_dir is not None)
 
     @property
     def _keeps_state(self) -> bool:
@@ -416,6 +429,37 @@ class BaseTrainer(abc.ABC):
         stats["num_restarts"] = self.num_restarts
         stats["num_workers"] = self.num_workers
         return stats
+
+    def _stop_if_preempted(self) -> None:
+        """At a boundary after a termination signal: checkpoint here, shut down, raise PreemptedError."""
+        if not self.preemption.requested():
+            return
+        name = self.preemption.describe()
+        logger.warning(
+            "%s received: the workers checkpoint at epoch %d, batch %d, then training stops.",
+            name,
+            self.epoch,
+            self._epoch_step,
+        )
+        try:
+            path = self.checkpoints.checkpoint_here()
+        except Exception as exc:  # noqa: BLE001 (the process stops either way; say what is kept)
+            logger.error("The checkpoint at the stop failed: %s", exc)
+            path = None
+        kept = path or self.checkpoint_manager.latest_path
+        self.shutdown()
+        where = (
+            f"checkpoint {path} holds epoch {self.epoch}, batch {self._epoch_step}: no step lost"
+            if path
+            else f"the checkpoint at the stop failed; the newest one is {kept or 'none'}"
+        )
+        raise PreemptedError(
+            f"Training stopped on {name}: {where}. Run the same command with resume=True "
+            f"(polytrain train --resume) to continue; exit with status "
+            f"{PreemptedError.exit_code}.",
+            checkpoint_path=path,
+            signal_number=self.preemption.received or 15,
+        )
 
     # ----------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -15,8 +15,10 @@ import logging
 import os
 import re
 import shlex
+import signal
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -238,6 +240,9 @@ def test_raycluster_structure():
         assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
         (container,) = group["template"]["spec"]["containers"]
         assert container["resources"]["requests"] == container["resources"]["limits"]
+    # A SIGTERM'd pod has time for the driver's checkpoint at the next boundary (README: Failures).
+    pods = [head["template"]["spec"], *(g["template"]["spec"] for g in groups.values())]
+    assert all(pod["terminationGracePeriodSeconds"] >= 90 for pod in pods)
     gpu_limits = groups["gpu"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert gpu_limits["nvidia.com/gpu"] == "1" and groups["gpu"]["minReplicas"] == 0
     assert "nvidia.com/gpu" not in str(groups["cpu"])
@@ -373,6 +378,17 @@ def _fake_slurm(tmp_path: Path) -> tuple[Path, Path]:
 
 def _run_sbatch(tmp_path: Path, **env) -> tuple[subprocess.CompletedProcess, list[str]]:
     log, slurm = _fake_slurm(tmp_path)
+    done = subprocess.run(
+        ["bash", str(SBATCH)],
+        env=_sbatch_env(tmp_path, slurm, **env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return done, log.read_text().splitlines()
+
+
+def _sbatch_env(tmp_path: Path, slurm: Path, **env: str) -> dict[str, str]:
     full_env = {
         **os.environ,
         "PATH": f"{slurm}:{os.environ['PATH']}",
@@ -387,10 +403,7 @@ def _run_sbatch(tmp_path: Path, **env) -> tuple[subprocess.CompletedProcess, lis
         **env,
     }
     full_env.pop("RAY_AUTH_TOKEN", None)
-    done = subprocess.run(
-        ["bash", str(SBATCH)], env=full_env, capture_output=True, text=True, timeout=60
-    )
-    return done, log.read_text().splitlines()
+    return full_env
 
 
 def _alive(pid: int) -> bool:
@@ -433,7 +446,8 @@ def test_sbatch_starts_ray_across_the_allocation_and_trains(tmp_path):
     assert len(worker_steps) == 2
     assert max(head, commands.index(waits[0])) < min(worker_steps)
     train = commands.index(
-        f"polytrain train -c examples/configs/ddp.yaml --address {address} num_workers=6 epochs=2"
+        f"polytrain train -c examples/configs/ddp.yaml --address {address} "
+        f"--out polytrain_runs/slurm-77 --resume num_workers=6 epochs=2"
     )
     assert f"pp={REPO_ROOT}" in where[train] and train > max(workers)
     # The steps are stopped through Slurm with SIGTERM; only this job's Ray is looked
@@ -446,6 +460,36 @@ def test_sbatch_starts_ray_across_the_allocation_and_trains(tmp_path):
     # The blocking `ray start` steps were stopped.
     pids = [int(p) for p in (tmp_path / "blocking.pids").read_text().split()]
     assert len(pids) == 3 and not any(_alive(p) for p in pids)
+
+
+def _catches_sigterm(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(re.search(r"^SigCgt:\s*([0-9a-f]+)$", status, re.M)[1], 16)
+    return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+def test_sbatch_passes_sigterm_to_the_driver_and_returns_its_status(tmp_path):
+    """Slurm's --signal=B:TERM reaches the batch shell only: it passes it on and exits 143."""
+    header = [ln for ln in SBATCH.read_text().splitlines() if ln.startswith("#SBATCH")]
+    assert "#SBATCH --requeue" in header and "#SBATCH --signal=B:TERM@60" in header
+    log, slurm = _fake_slurm(tmp_path)
+    got_term = tmp_path / "driver-got-term"
+    # A driver that checkpoints on SIGTERM and exits 143, as polytrain train does.
+    _shim(
+        tmp_path / "venv" / "bin" / "polytrain",
+        f"trap 'touch {got_term}; exit 143' TERM\ntouch {tmp_path}/driver-up\n"
+        "for _ in $(seq 600); do sleep 0.1; done\nexit 0\n",
+    )
+    env = _sbatch_env(tmp_path, slurm, RAY_TEMP_DIR="/tmp/ray-polytrain-78", SLURM_JOB_ID="78")
+    job = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE, text=True)
+    while job.poll() is None and not (
+        (tmp_path / "driver-up").exists() and _catches_sigterm(job.pid)
+    ):
+        time.sleep(0.05)  # the driver runs and the script's TERM trap is in place
+    job.send_signal(signal.SIGTERM)
+    out, _ = job.communicate(timeout=60)
+    assert job.returncode == 143 and got_term.exists(), out
+    assert "polytrain: SIGTERM" in out
 
 
 def test_sbatch_returns_the_training_status_and_still_stops_ray(tmp_path):

@@ -135,6 +135,7 @@ def train_in_chunks(
     train_once: Callable[[int, bool, bool], tuple[dict[str, Any], list[Any], bool, bool]],
     num_steps: int | None,
     end_epoch: bool,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[dict[str, Any], list[list[Any]]]:
     """Run one ``train(num_steps)`` call as pieces that end where a checkpoint is due.
 
@@ -144,6 +145,7 @@ def train_in_chunks(
             wrote_checkpoint, epoch_done)``: one worker call.
         num_steps: the call's batches; None: the rest of the epoch.
         end_epoch: the call ends the epoch after its batches (only the last piece does).
+        stop: asked after every piece; True ends the call there (a termination signal).
 
     Returns:
         The combined stats and every piece's per-worker results.
@@ -160,5 +162,6 @@ def train_in_chunks(
         raws.append(results)
         if left is not None:
             left -= steps
-        if epoch_done or steps < piece or (left is not None and left <= 0):
+        stopped = stop is not None and stop()
+        if stopped or epoch_done or steps < piece or (left is not None and left <= 0):
             return combine_call_stats(parts), raws

@@ -207,6 +207,33 @@ class TrainerCheckpoints:
             int(meta["epoch"]), int(meta.get("epoch_step", 0)), path=newest
         )
 
+    def checkpoint_here(self) -> str | None:
+        """Driver: a committed checkpoint at the current data position; its path (None: the write failed).
+
+        Waits for background writes first; when the newest committed checkpoint is
+        already at the position (the call ended where one was due) it is the one,
+        else the workers write one now (``checkpoint_worker_module.save_dir``).
+        """
+        trainer = self.trainer
+        self.flush()
+        point = trainer.recovery.latest
+        if (
+            point is not None
+            and point.path
+            and trainer.recovery.is_at(trainer.epoch, trainer._epoch_step)
+        ):
+            return point.path
+        written = trainer._run(
+            trainer.checkpoint_worker_module.save_dir,
+            self.request(trainer.epoch, trainer._epoch_step),
+        )
+        stats: dict[str, Any] = {}
+        if not self.keep_directory(stats, written):
+            return None
+        self.flush()  # an asynchronous save commits in the background
+        point = trainer.recovery.latest
+        return point.path if point is not None else None
+
     def resume_if_requested(self) -> None:
         """Driver, after the first start: with ``resume=True``, load the newest committed checkpoint.
 

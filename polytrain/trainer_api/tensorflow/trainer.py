@@ -228,27 +228,29 @@ class TFTrainer(BaseTrainer):
                 "TFTrainer.train(end_epoch=False) is not supported: model.fit starts the data "
                 "set afresh at every call, so every call is an epoch. Drop end_epoch=False."
             )
-        self._begin_call(max_retries)
-        results = self._run(
-            tf_worker.train_epoch,
-            progress=f"epoch {self.epoch}",
-            max_retries=max_retries,
-            args_fn=lambda: (self.epoch, num_steps),
-        )
-        stats = _chief_stats(results, "epoch_time_s")
-        self._end_call(stats, {"epoch": self.epoch, "position": 0, "epoch_done": True})
-        # The epoch-end state a restart resumes from: a directory the workers write, or a
-        # dict through the driver when they cannot see the checkpoint directory.
-        local_only = self.scaling.local_mode and self.checkpoint.checkpoint_dir is None
-        if self._keeps_state and not local_only and self.checkpoints.workers_see_directory():
-            written = self._run(
-                checkpoint_tf.save_dir, args_fn=lambda: (self.checkpoints.request(self.epoch),)
+        with self.preemption.watching():  # SIGTERM: a checkpoint at the epoch end, then stop
+            self._begin_call(max_retries)
+            results = self._run(
+                tf_worker.train_epoch,
+                progress=f"epoch {self.epoch}",
+                max_retries=max_retries,
+                args_fn=lambda: (self.epoch, num_steps),
             )
-            self.checkpoints.keep_directory(stats, written)
-        else:
-            state = self._worker_state() if self._keeps_state else None
-            self.checkpoints.keep_state(stats, state, None)
-        self._log("train", stats)
+            stats = _chief_stats(results, "epoch_time_s")
+            self._end_call(stats, {"epoch": self.epoch, "position": 0, "epoch_done": True})
+            # The epoch-end state a restart resumes from: a directory the workers write, or a
+            # dict through the driver when they cannot see the checkpoint directory.
+            local_only = self.scaling.local_mode and self.checkpoint.checkpoint_dir is None
+            if self._keeps_state and not local_only and self.checkpoints.workers_see_directory():
+                written = self._run(
+                    checkpoint_tf.save_dir, args_fn=lambda: (self.checkpoints.request(self.epoch),)
+                )
+                self.checkpoints.keep_directory(stats, written)
+            else:
+                state = self._worker_state() if self._keeps_state else None
+                self.checkpoints.keep_state(stats, state, None)
+            self._log("train", stats)
+            self._stop_if_preempted()
         return stats
 
     def validate(self, num_steps: int | None = None) -> dict[str, Any]:

@@ -271,12 +271,15 @@ class TorchTrainer(BaseTrainer):
         def once(steps: int | None, ends: bool, due: bool) -> Any:
             return self._train_once(steps, info, profile, ends, max_retries, due)
 
-        if self._step_plan.active and self._keeps_state:
-            stats, pieces = train_in_chunks(self._step_plan, once, num_steps, end_epoch)
-            results = pieces[-1]
-        else:
-            stats, results, _, _ = once(num_steps, end_epoch, False)
-        self._log("train", stats)
+        with self.preemption.watching():  # SIGTERM: a checkpoint at the next boundary
+            if self._step_plan.active and self._keeps_state:
+                stop = self.preemption.requested
+                stats, pieces = train_in_chunks(self._step_plan, once, num_steps, end_epoch, stop)
+                results = pieces[-1]
+            else:
+                stats, results, _, _ = once(num_steps, end_epoch, False)
+            self._log("train", stats)
+            self._stop_if_preempted()
         return stats if reduce_results else self._raw(results, stats)
 
     def _train_once(

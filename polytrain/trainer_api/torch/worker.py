@@ -397,3 +397,8 @@ def teardown_worker() -> None:
 def load_dir(url: str) -> dict[str, Any]:
     """Worker entry point (``trainer._run(load_dir, url)``): load a checkpoint directory into this worker's operator."""
     return apply_to_operator(functools.partial(checkpoint_torch.load_operator, url=url))
+
+
+def save_dir(request: SaveRequest) -> dict[str, Any]:
+    """Worker entry point (``trainer._run(save_dir, request)``): write this worker's part of a checkpoint directory now."""
+    return apply_to_operator(functools.partial(checkpoint_torch.save_operator, request=request))
