@@ -5,11 +5,13 @@ checkpoints in a ``checkpoint_dir``; SIGTERM to it while an epoch runs makes the
 workers checkpoint at the next boundary and the process exit with status 143. The
 same command (``resume=True``) continues there: the batches both runs trained are
 exactly those of an uninterrupted run (none lost, none repeated), and the final
-weights are equal bit for bit (random states restored).
+weights are equal bit for bit (random states restored). ``polytrain train`` under
+SIGTERM exits 143 and the same command with ``--resume`` finishes the run.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -78,3 +80,31 @@ def test_sigterm_checkpoints_at_the_next_boundary_and_resume_loses_no_step(
     got = torch.load(tmp_path / "run.pt", weights_only=True)
     for key, value in expected["models"][0].items():
         assert torch.equal(value, got["models"][0][key]), key
+
+
+def test_polytrain_train_exits_143_on_sigterm_and_resume_finishes(ray_start_4_cpus, tmp_path):
+    """`polytrain train` under SIGTERM: status 143 after the checkpoint; `--resume` finishes the run."""
+    address = ray_start_4_cpus.get_runtime_context().gcs_address
+    command = [
+        sys.executable, "-m", "polytrain", "train", "-c", "examples/configs/ddp.yaml",
+        "epochs=20", "checkpoint.every_n_steps=2", "checkpoint.num_to_keep=100",
+        "--out", str(tmp_path), "--address", address, "--no-progress",
+    ]  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    run = subprocess.Popen(
+        command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    while not _committed(tmp_path / "checkpoints") and run.poll() is None:
+        time.sleep(0.05)
+    assert run.poll() is None, "the run ended before the signal"
+    run.send_signal(signal.SIGTERM)
+    out, err = run.communicate(timeout=600)
+    assert run.returncode == 143, err[-3000:]
+    assert "Training stopped on SIGTERM" in err and "no step lost" in err
+    assert not (tmp_path / "final.pt").exists()
+    resumed = subprocess.run(
+        [*command, "--resume"], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert torch.load(tmp_path / "final.pt", weights_only=True)["epoch"] == 20
