@@ -16,7 +16,7 @@ import pytest
 
 from examples import tf_digits
 from polytrain import TFTrainer
-from polytrain.errors import CreatorError, TrainerShutdownError, WorkerError
+from polytrain.errors import ConfigError, CreatorError, TrainerShutdownError, WorkerError
 
 pytestmark = pytest.mark.usefixtures("ray_start_4_cpus")
 
@@ -216,3 +216,21 @@ def test_worker_error_does_not_hang_the_other_and_leaves_no_actors(
         two_workers.train()
     # one_worker (local mode) holds no Ray resources; its module fixture shuts it down,
     # restoring the worker environment it set in this process outside any test.
+
+
+def test_max_grad_norm_clips_the_summed_gradient_like_one_process():
+    """Keras' global_clipnorm under MWMS clips after the workers' gradients are summed."""
+    with pytest.raises(ConfigError, match=r"max_grad_norm=-1"):
+        TFTrainer(**CREATORS, config=CONFIG, num_workers=0, max_grad_norm=-1)
+    steps, norm = 6, 0.05
+    runs = {}
+    for name, workers, clip in [("two", 2, norm), ("one", 0, norm), ("free", 0, None)]:
+        trainer = TFTrainer(**CREATORS, config=CONFIG, num_workers=workers, max_grad_norm=clip)
+        try:
+            trainer.train(num_steps=steps)
+            runs[name] = trainer.apply_all_models(_get_weights)[0]
+        finally:
+            trainer.shutdown()
+    assert _max_diff(runs["two"], runs["one"]) <= 1e-4
+    # The clip is active: the unclipped run moves much further from the same start.
+    assert _max_diff(runs["one"], runs["free"]) > 100 * 1e-4

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from polytrain.backends.core.backend import Backend
+from polytrain.backends.core.step_options import StepOptions
 from polytrain.errors import ConfigError, CreatorError
 from polytrain.launchers.base import WorkerGroup
 from polytrain.trainer_api.data import ray_data
@@ -104,6 +105,10 @@ class TFTrainer(BaseTrainer):
         dataset_columns: with ``datasets``: ``{"features": name or [names], "label":
             name or [names]}``; default: the last column is the label, the others the
             features (one name: a tensor; a list: a dict keyed by column name).
+        max_grad_norm: clip the global gradient norm to this before every optimizer
+            step (the Keras optimizer's ``global_clipnorm``, which under
+            MultiWorkerMirroredStrategy clips after the gradients are summed over the
+            workers); None: as the compiled optimizer says.
     """
 
     framework = "tensorflow"
@@ -128,7 +133,9 @@ class TFTrainer(BaseTrainer):
         loggers: Any = None,
         datasets: dict[str, Any] | None = None,
         dataset_columns: dict[str, Any] | None = None,
+        max_grad_norm: float | None = None,
     ) -> None:
+        self.max_grad_norm = StepOptions(max_grad_norm=max_grad_norm).max_grad_norm
         self.datasets = ray_data.check_datasets(datasets, data_creator, "tf.data datasets")
         if self.datasets is not None:
             self.dataset_columns = ray_data_tf.check_columns(self.datasets, dataset_columns)
@@ -175,6 +182,7 @@ class TFTrainer(BaseTrainer):
             backend=self.backend,
             config=self.config,
             context=self._context_template(),
+            max_grad_norm=self.max_grad_norm,
         )
         refs = [
             group.execute_single_async(rank, tf_worker.setup_worker, setup, info)

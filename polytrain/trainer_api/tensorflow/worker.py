@@ -95,6 +95,7 @@ class TFWorkerSetup:
     backend: Backend
     config: dict[str, Any]
     context: WorkerContext
+    max_grad_norm: float | None = None
 
 
 @dataclass
@@ -128,6 +129,8 @@ def setup_worker(setup: TFWorkerSetup, rank_info: Any) -> int:
     distribution = strategy.distribution_strategy(ctx)
     with distribution.scope():
         model = setup.creators.create_model(setup.config)
+    if setup.max_grad_norm is not None:
+        _set_global_clipnorm(model.optimizer, setup.max_grad_norm)
     train, val = setup.creators.create_data(setup.config)
     components = Components(
         models=[model],
@@ -139,6 +142,18 @@ def setup_worker(setup: TFWorkerSetup, rank_info: Any) -> int:
         components = strategy.prepare(components, ctx)
     WORKER_STATE[_KEY] = TFWorkerState(strategy, components, ctx, setup.config)
     return _num_batches(components.train_loader)
+
+
+def _set_global_clipnorm(optimizer: Any, max_norm: float) -> None:
+    """Clip by the global norm in the compiled optimizer (tf_keras applies it after aggregation)."""
+    if getattr(optimizer, "clipnorm", None) or getattr(optimizer, "clipvalue", None):
+        raise ConfigError(
+            f"max_grad_norm={max_norm!r} sets the optimizer's global_clipnorm, but the compiled "
+            f"{type(optimizer).__name__} already clips (clipnorm={optimizer.clipnorm!r}, "
+            f"clipvalue={optimizer.clipvalue!r}). Clip in one place: drop max_grad_norm or the "
+            f"optimizer's own clipping."
+        )
+    optimizer.global_clipnorm = float(max_norm)
 
 
 def _limit_threads(num_cpus: float) -> None:
