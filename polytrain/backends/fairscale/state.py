@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+from polytrain.backends.core import sharding as _sharding
+from polytrain.backends.core.context import Components
+from polytrain.backends.fairscale import common
 from polytrain.checkpoint.pieces import (
     LocalState,
     Piece,
@@ -198,3 +201,24 @@ def oss_load(strategy: Any, components: Any, reader: ShardReader) -> None:
 
 def _params(optimizer: Any) -> list[torch.nn.Parameter]:
     return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def load_full_state(
+    components: Components, state: dict[str, Any], targets: list[torch.nn.Module], fsdp_mode: bool
+) -> None:
+    """Worker (every rank): a consolidated torch-format state into ``targets`` and the sharded optimizers.
+
+    Args:
+        components: the strategy's components (its optimizers and their owners).
+        state: ``{"models": [...], "optimizers": [...]}`` as ``full_state_dict`` returns it.
+        targets: the modules the model states load into (unwrapped, or FSDP's own).
+        fsdp_mode: True in fairscale mode "fsdp".
+    """
+    for model, model_state in zip(targets, state["models"], strict=True):
+        model.load_state_dict(model_state)
+    states = _sharding.portable_optimizer_states(state.get("optimizers"))
+    if states is None:
+        return
+    for (optimizer, model), optimizer_state in zip(common.owned(components), states, strict=True):
+        if optimizer_state is not None:
+            load_optimizer_shard(optimizer, model, optimizer_state, fsdp_mode)

@@ -111,18 +111,7 @@ class FairscaleFSDPStrategy(TorchStrategy):
         if not _sharding.shards(ctx):
             super().load_full_state_dict(components, state, ctx)
             return
-        for model, model_state in zip(components.models, state["models"], strict=True):
-            model.load_state_dict(model_state)
-        states = _sharding.portable_optimizer_states(state.get("optimizers"))
-        if states is None:
-            return
-        for (optimizer, model), optimizer_state in zip(
-            common.owned(components), states, strict=True
-        ):
-            if optimizer_state is not None:
-                fairscale_state.load_optimizer_shard(
-                    optimizer, model, optimizer_state, fsdp_mode=True
-                )
+        fairscale_state.load_full_state(components, state, components.models, fsdp_mode=True)
 
     def sharded_state_dict(self, components: Components, ctx: WorkerContext) -> LocalState:
         """Worker: fairscale's FSDP has no shard layout polytrain reads: the full state, gathered."""

@@ -153,18 +153,9 @@ class FairscaleOSSStrategy(TorchStrategy):
         if not _sharding.shards(ctx):
             super().load_full_state_dict(components, state, ctx)
             return
-        for model, model_state in zip(components.models, state["models"], strict=True):
-            self.unwrap_model(model).load_state_dict(model_state)
-        states = _sharding.portable_optimizer_states(state.get("optimizers"))
-        if states is None:
-            return
-        for (optimizer, model), optimizer_state in zip(
-            common.owned(components), states, strict=True
-        ):
-            if optimizer_state is not None:
-                fairscale_state.load_optimizer_shard(
-                    optimizer, model, optimizer_state, fsdp_mode=False
-                )
+        fairscale_state.load_full_state(
+            components, state, [self.unwrap_model(m) for m in components.models], fsdp_mode=False
+        )
 
     def sharded_state_dict(self, components: Components, ctx: WorkerContext) -> LocalState:
         """Worker: replicated models and this rank's OSS shard, as they are (no gather)."""
