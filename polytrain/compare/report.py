@@ -11,7 +11,7 @@ import json
 import math
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,9 @@ CSV_COLUMNS = (
     "epochs",
     "epoch_time_s",
     "samples_per_s",
+    "tokens_per_s",
     "final_loss",
+    "grad_norm",
     "val_loss",
     "val_accuracy",
     "peak_memory_mb",
@@ -60,6 +62,8 @@ class BackendResult:
         losses: mean training loss of each epoch.
         epoch_times_s: wall time of each epoch (slowest worker).
         samples_per_s: throughput of each epoch, all workers together.
+        tokens_per_s: tokens of each epoch per second (token batches only, else empty).
+        grad_norms: the gradient norm of each epoch's last step (``max_grad_norm`` runs).
         val_loss: validation loss after the last epoch (None without validation data).
         val_accuracy: validation accuracy after the last epoch.
         peak_memory_mb: the largest peak memory of one worker over all epochs.
@@ -79,6 +83,8 @@ class BackendResult:
     losses: list[float] = field(default_factory=list)
     epoch_times_s: list[float] = field(default_factory=list)
     samples_per_s: list[float] = field(default_factory=list)
+    tokens_per_s: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
     val_loss: float | None = None
     val_accuracy: float | None = None
     peak_memory_mb: float | None = None
@@ -138,6 +144,17 @@ class BackendResult:
         rates = self.samples_per_s[1:] or self.samples_per_s
         return statistics.fmean(rates) if rates else None
 
+    @property
+    def token_throughput(self) -> float | None:
+        """Steady-state tokens/s (None for batches without tokens)."""
+        rates = self.tokens_per_s[1:] or self.tokens_per_s
+        return statistics.fmean(rates) if rates else None
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The last step's gradient norm before clipping (None without ``max_grad_norm``)."""
+        return self.grad_norms[-1] if self.grad_norms else None
+
     def row(self) -> dict[str, Any]:
         """One CSV row (see :data:`CSV_COLUMNS`)."""
         return {
@@ -147,7 +164,9 @@ class BackendResult:
             "epochs": self.epochs,
             "epoch_time_s": _round(self.epoch_time_s, 4),
             "samples_per_s": _round(self.throughput, 1),
+            "tokens_per_s": _round(self.token_throughput, 1),
             "final_loss": _round(self.final_loss, 5),
+            "grad_norm": _round(self.grad_norm, 5),
             "val_loss": _round(self.val_loss, 5),
             "val_accuracy": _round(self.val_accuracy, 4),
             "peak_memory_mb": _round(self.peak_memory_mb, 1),
@@ -168,9 +187,11 @@ def format_table(results: Sequence[BackendResult]) -> str:
 
     The ``vs ref`` column gives each backend's final loss relative to its
     framework's reference backend; ``!`` marks a backend whose results differ beyond
-    the tolerance, explained in a line under the table.
+    the tolerance, explained in a line under the table. Language-model runs add
+    ``tokens/s`` and ``grad norm`` (the last step's, with ``max_grad_norm``) where a
+    backend reported them.
     """
-    headers = (
+    headers: tuple[str, ...] = (
         "backend",
         "status",
         "epoch time (s)",
@@ -201,6 +222,7 @@ def format_table(results: Sequence[BackendResult]) -> str:
         )
         for r in results
     ]
+    headers, rows = _with_token_columns(headers, rows, results, fmt)
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=True)]
     widths[-1] = 0  # the note is last and free-length
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
@@ -211,6 +233,32 @@ def format_table(results: Sequence[BackendResult]) -> str:
     ]
     lines += [f"! {r.backend}: {r.divergence_note()}" for r in results if r.diverges]
     return "\n".join(lines)
+
+
+def _with_token_columns(
+    headers: tuple[str, ...],
+    rows: list[tuple[Any, ...]],
+    results: Sequence[BackendResult],
+    fmt: Callable[[float | None, str], str],
+) -> tuple[tuple[str, ...], list[tuple[Any, ...]]]:
+    """Insert ``tokens/s`` and ``grad norm`` after ``samples/s`` when any backend has them."""
+    extra = [
+        (name, attr, spec)
+        for name, attr, spec in (
+            ("tokens/s", "token_throughput", ".0f"),
+            ("grad norm", "grad_norm", ".4f"),
+        )
+        if any(getattr(r, attr) is not None for r in results)
+    ]
+    if not extra:
+        return headers, rows
+    at = headers.index("samples/s") + 1
+    headers = headers[:at] + tuple(name for name, _, _ in extra) + headers[at:]
+    rows = [
+        row[:at] + tuple(fmt(getattr(r, attr), spec) for _, attr, spec in extra) + row[at:]
+        for row, r in zip(rows, results, strict=True)
+    ]
+    return headers, rows
 
 
 def write_results(results: Sequence[BackendResult], out_dir: str | os.PathLike) -> dict[str, Path]:
@@ -253,14 +301,17 @@ def _plot(results: Sequence[BackendResult], path: Path) -> None:
     else:
         loss_ax.text(0.5, 0.5, "no backend ran", ha="center", va="center")
     names = [r.backend for r in results]
-    rates = [r.throughput or 0.0 for r in results]
+    # A language model's throughput is in tokens (sequences differ in length).
+    tokens = any(r.token_throughput is not None for r in results)
+    rate_of = (lambda r: r.token_throughput) if tokens else (lambda r: r.throughput)
+    rates = [rate_of(r) or 0.0 for r in results]
     bars = bar_ax.bar(
         names, rates, color=["tab:blue" if r.status == OK else "tab:gray" for r in results]
     )
     for bar, r in zip(bars, results, strict=True):
-        label = f"{r.throughput:.0f}" if r.status == OK and r.throughput else r.status
+        label = f"{rate_of(r):.0f}" if r.status == OK and rate_of(r) else r.status
         bar_ax.annotate(
             label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom"
         )
-    bar_ax.set(title="Throughput (steady state)", ylabel="samples/s")
+    bar_ax.set(title="Throughput (steady state)", ylabel="tokens/s" if tokens else "samples/s")
     fig.savefig(path, dpi=110)

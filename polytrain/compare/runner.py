@@ -157,6 +157,10 @@ def _record_epoch(
     result.losses.append(float(stats["loss"]))
     result.epoch_times_s.append(float(stats.get("epoch_time_s", math.nan)))
     result.samples_per_s.append(float(stats.get("samples_per_s", math.nan)))
+    if stats.get("tokens_per_s") is not None:
+        result.tokens_per_s.append(float(stats["tokens_per_s"]))
+    if stats.get("grad_norm") is not None:
+        result.grad_norms.append(float(stats["grad_norm"]))
     peak = stats.get("peak_memory_mb")
     if peak is not None:
         result.peak_memory_mb = max(result.peak_memory_mb or 0.0, float(peak))

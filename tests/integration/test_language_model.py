@@ -155,11 +155,9 @@ BACKENDS = [
 ]
 
 
-@pytest.mark.parametrize(("backend", "backend_config"), BACKENDS)
-def test_clipped_accumulated_steps_equal_one_process(
-    ray_start_4_cpus, no_leftover_actors, references, backend, backend_config
-):
-    trainer = TorchTrainer(
+def make_trainer(backend, backend_config, **kwargs) -> TorchTrainer:
+    """2 workers, clipping, accumulation and the per-step schedule of :func:`reference`."""
+    return TorchTrainer(
         model_creator=gpt2_creator,
         data_creator=data_creator,
         optimizer_creator=sgd_creator,
@@ -171,7 +169,15 @@ def test_clipped_accumulated_steps_equal_one_process(
         max_grad_norm=MAX_NORM,
         gradient_accumulation_steps=ACCUMULATION,
         failure_config={"max_retries": 0},
+        **kwargs,
     )
+
+
+@pytest.mark.parametrize(("backend", "backend_config"), BACKENDS)
+def test_clipped_accumulated_steps_equal_one_process(
+    ray_start_4_cpus, no_leftover_actors, references, backend, backend_config
+):
+    trainer = make_trainer(backend, backend_config)
     try:
         stats = [trainer.train(num_steps=1) for _ in range(STEPS)]
         model = trainer.get_model()

@@ -25,9 +25,12 @@ from polytrain.trainer_api.options.run_config import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-#: One config per backend (named after it); digits_both.yaml carries both frameworks.
+#: One config per backend (named after it); digits_both.yaml carries both frameworks;
+#: gpt*.yaml are the language-model example's.
 CONFIGS = sorted(
-    p for p in (REPO_ROOT / "examples" / "configs").glob("*.yaml") if p.stem != "digits_both"
+    p
+    for p in (REPO_ROOT / "examples" / "configs").glob("*.yaml")
+    if p.stem != "digits_both" and not p.stem.startswith("gpt")
 )
 DDP = REPO_ROOT / "examples" / "configs" / "ddp.yaml"
 BOTH = REPO_ROOT / "examples" / "configs" / "digits_both.yaml"
@@ -66,6 +69,15 @@ def test_every_example_config_loads(path):
     # every creator resolves from the repository root (the modules import no framework)
     creators = run.resolve_creators()
     assert {"model_creator", "data_creator"} <= set(creators)
+    assert all(callable(c) for c in creators.values())
+
+
+@pytest.mark.parametrize("name", ["gpt", "gpt_fsdp"])
+def test_the_language_model_configs_load(name):
+    run = load_config(REPO_ROOT / "examples" / "configs" / f"{name}.yaml")
+    assert (run.trainer, run.max_grad_norm, run.num_workers) == ("torch", 1.0, 2)
+    creators = run.resolve_creators()
+    assert "loss_creator" not in creators  # the model computes its loss
     assert all(callable(c) for c in creators.values())
 
 

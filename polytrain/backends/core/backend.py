@@ -27,7 +27,7 @@ from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.rendezvous import Rendezvous
 from polytrain.backends.core.step_options import StepOptions
 from polytrain.backends.core.strategy import Strategy, TorchStrategy, load_optimizer_states
-from polytrain.errors import ConfigTypeError
+from polytrain.errors import ConfigError, ConfigTypeError
 
 __all__ = [
     "Backend",
@@ -105,9 +105,30 @@ class Backend:
     def validate_step_options(self, step: StepOptions) -> None:
         """Driver: reject the trainer's step options where they clash with this backend's own.
 
+        Subclasses that add checks call this too (it refuses ``compile=True`` where
+        :attr:`compile_refusal` says why).
+
         Raises:
             ConfigError: naming both settings and what to do.
         """
+        if step.compile:
+            self.validate_compile()
+
+    #: Why ``compile=True`` cannot run under this backend (None: it can).
+    compile_refusal: str | None = None
+
+    def validate_compile(self) -> None:
+        """Driver: refuse ``compile=True`` where this backend cannot run a compiled model.
+
+        Raises:
+            ConfigError: naming the backend and why, with what to do instead.
+        """
+        if self.compile_refusal is not None:
+            raise ConfigError(
+                f"compile=True is not supported by the {self.name} backend: "
+                f"{self.compile_refusal} Drop compile, or use a backend that compiles the wrapped "
+                f"model: ddp, fsdp (version 2), horovod, deepspeed."
+            )
 
     def make_rendezvous(self) -> Rendezvous:
         """Driver: a new driver side for one worker group."""

@@ -37,6 +37,14 @@ class StepOptions:
         precision: "fp32", "bf16" (bf16 autocast, no loss scaling; CPU and GPU) or
             "fp16" (fp16 autocast with a gradient scaler on GPU; on CPU, where fp16
             kernels are slow or missing, it runs as bf16, as ``use_fp16`` always did).
+        activation_checkpointing: False (off), True (HF models' own gradient
+            checkpointing, else the repeated blocks) or a tuple of module classes / class
+            names whose activations are recomputed in backward (non-reentrant), applied
+            on the worker before the backend wraps the model
+            (:func:`~polytrain.backends.core.blocks.apply_activation_checkpointing`).
+        compile: ``torch.compile`` the model on the worker, after the backend wrapped it
+            (in place, so parameter names and state dicts are unchanged); backends that
+            cannot refuse it when the trainer is built.
 
     Raises:
         ConfigError: a value that is not allowed, naming it and what to do.
@@ -45,8 +53,18 @@ class StepOptions:
     max_grad_norm: float | None = None
     gradient_accumulation_steps: int = 1
     precision: str = "fp32"
+    activation_checkpointing: bool | tuple[Any, ...] = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "activation_checkpointing", _checked_checkpointing(self.activation_checkpointing)
+        )
+        if not isinstance(self.compile, bool):
+            raise ConfigTypeError(
+                f"compile must be True or False; got {type(self.compile).__name__}: "
+                f"{self.compile!r}. Pass compile=True to torch.compile the model."
+            )
         _check_max_grad_norm(self.max_grad_norm)
         _check_accumulation(self.gradient_accumulation_steps)
         if self.precision not in PRECISIONS:
@@ -83,6 +101,22 @@ def _check_max_grad_norm(value: Any) -> None:
         )
 
 
+def _checked_checkpointing(value: Any) -> bool | tuple[Any, ...]:
+    """``value`` as False, True or a tuple of classes / class names (names are looked up on the workers)."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, (str, type)):
+        value = [value]
+    items = tuple(value) if isinstance(value, (list, tuple, set, frozenset)) else None
+    if not items or any(not isinstance(i, (str, type)) or i == "" for i in items):
+        raise ConfigTypeError(
+            f"activation_checkpointing must be True, False or a non-empty list of module classes "
+            f"or class names (e.g. ['GPT2Block']); got {type(value).__name__}: {value!r}. Pass "
+            f"True to recompute the model's repeated blocks (or use HF gradient checkpointing)."
+        )
+    return items
+
+
 def _check_accumulation(value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(
@@ -97,6 +131,8 @@ def step_options(
     gradient_accumulation_steps: int = 1,
     precision: str | None = None,
     use_fp16: bool = False,
+    activation_checkpointing: Any = False,
+    compile: bool = False,
 ) -> StepOptions:
     """The trainer keywords as :class:`StepOptions`; ``use_fp16=True`` is ``precision="fp16"``.
 
@@ -112,6 +148,8 @@ def step_options(
         max_grad_norm=max_grad_norm,
         gradient_accumulation_steps=gradient_accumulation_steps,
         precision=precision or ("fp16" if use_fp16 else "fp32"),
+        activation_checkpointing=activation_checkpointing,
+        compile=compile,
     )
 
 

@@ -35,6 +35,7 @@ class DeepSpeedBackend(Backend):
 
     def validate_step_options(self, step: StepOptions) -> None:
         """Driver: the DeepSpeed config must not set other accumulation or clipping."""
+        super().validate_step_options(step)
         apply_step_options(self.config.resolved(), step)
 
     def validate_settings(self, *, num_workers: int, use_gpu: bool, use_fp16: bool) -> None:

@@ -22,6 +22,20 @@ class FairscaleBackend(Backend):
     strategy_cls = FairscaleOSSStrategy
     config: FairscaleConfig
 
+    def validate_compile(self) -> None:
+        """Driver: modes "sddp" and "oss" compile; "fsdp" (GPU only, untested) is refused.
+
+        Raises:
+            ConfigError: ``mode="fsdp"``.
+        """
+        if self.config.mode == "fsdp":
+            raise ConfigError(
+                "compile=True is not supported by the fairscale backend with mode='fsdp': "
+                "fairscale's FullyShardedDataParallel flattens parameters like FSDP1 and "
+                "polytrain has not verified it under torch.compile. Use mode 'sddp' or 'oss', "
+                "or backend='fsdp' (version 2)."
+            )
+
     def validate_settings(self, *, num_workers: int, use_gpu: bool, use_fp16: bool) -> None:
         """Driver: fairscale's FSDP needs CUDA.
 

@@ -8,6 +8,7 @@ from polytrain.backends.core.torch_distributed import TorchDistributedRendezvous
 from polytrain.backends.fsdp.config import FSDPConfig
 from polytrain.backends.fsdp.strategy_v1 import FSDP1Strategy
 from polytrain.backends.fsdp.strategy_v2 import FSDP2Strategy
+from polytrain.errors import ConfigError
 
 
 class FSDPBackend(Backend):
@@ -19,6 +20,20 @@ class FSDPBackend(Backend):
     rendezvous_cls = TorchDistributedRendezvous
     strategy_cls = FSDP2Strategy
     config: FSDPConfig
+
+    def validate_compile(self) -> None:
+        """Driver: FSDP2 compiles after ``fully_shard``; FSDP1 is refused.
+
+        Raises:
+            ConfigError: ``version=1``.
+        """
+        if self.config.version == 1:
+            raise ConfigError(
+                "compile=True is not supported by the fsdp backend with version=1: "
+                "FullyShardedDataParallel flattens parameters into its own FlatParameter, "
+                "which torch.compile follows only with use_orig_params=True, and polytrain "
+                "compiles FSDP2 only. Use version 2 (the default) or drop compile."
+            )
 
     def make_strategy(self) -> Strategy:
         """Worker: :class:`~polytrain.backends.fsdp.strategy_v2.FSDP2Strategy` (version 2) or :class:`~polytrain.backends.fsdp.strategy_v1.FSDP1Strategy`."""

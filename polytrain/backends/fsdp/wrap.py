@@ -23,19 +23,10 @@ from typing import Any
 
 import torch
 
+from polytrain.backends.core.blocks import repeated_blocks
 from polytrain.errors import ConfigError
 
-
-def repeated_blocks(model: torch.nn.Module) -> set[type]:
-    """The classes of the modules that a ``ModuleList`` of the model repeats (2+ alike, with parameters)."""
-    classes: set[type] = set()
-    for module in model.modules():
-        if not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
-            continue
-        kinds = {type(child) for child in module}
-        if len(kinds) == 1 and any(True for _ in module[0].parameters()):
-            classes |= kinds
-    return classes
+__all__ = ["block_classes", "block_units", "fsdp1_policy", "repeated_blocks"]
 
 
 def block_classes(model: torch.nn.Module, policy: Any) -> set[type] | None:

@@ -36,6 +36,7 @@ class HorovodBackend(Backend):
 
     def validate_step_options(self, step: StepOptions) -> None:
         """Driver: one way of accumulating: the trainer's or Horovod's, not both."""
+        super().validate_step_options(step)
         if step.accumulates and self.config.backward_passes_per_step > 1:
             raise ConfigError(
                 f"gradient_accumulation_steps={step.gradient_accumulation_steps} and the horovod "

@@ -172,7 +172,8 @@ class StepFields(BaseModel):
     """The training step's options of a run config: the TorchTrainer keywords of the same names.
 
     ``use_fp16`` (alias of ``precision: fp16``), ``max_grad_norm``, ``gradient_accumulation_steps``
-    and ``precision``: see :class:`~polytrain.backends.core.step_options.StepOptions`.
+    ``precision``, ``activation_checkpointing`` (true or a list of class names) and
+    ``compile``: see :class:`~polytrain.backends.core.step_options.StepOptions`.
     """
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -181,11 +182,18 @@ class StepFields(BaseModel):
     max_grad_norm: float | None = None
     gradient_accumulation_steps: int = 1
     precision: str | None = None
+    activation_checkpointing: bool | list[str] = False
+    compile: bool = False
 
     @model_validator(mode="after")
     def _step_checks(self) -> StepFields:
         step_options(
-            self.max_grad_norm, self.gradient_accumulation_steps, self.precision, self.use_fp16
+            self.max_grad_norm,
+            self.gradient_accumulation_steps,
+            self.precision,
+            self.use_fp16,
+            activation_checkpointing=self.activation_checkpointing,
+            compile=self.compile,
         )
         return self
 

@@ -39,6 +39,12 @@ from polytrain.trainer_api.trainer import BaseTrainer
 _STATE_KEYS = ("models", "optimizers", "schedulers", "scaler", "operator", "global_step")
 
 
+def _data_source(datasets: Any, data_creator: Any) -> tuple[Any, Any]:
+    """The checked Ray Data ``datasets`` and the data creator that serves the workers."""
+    checked = ray_data.check_datasets(datasets, data_creator)
+    return checked, data_creator if checked is None else ray_data.shard_loaders
+
+
 class TorchTrainer(BaseTrainer):
     """Train a PyTorch model on Ray workers with any torch backend.
 
@@ -79,6 +85,12 @@ class TorchTrainer(BaseTrainer):
         gradient_accumulation_steps: batches per optimizer step; ``num_steps`` and
             ``global_step`` count optimizer steps (see the README's language model section).
         precision: "fp32" (default), "bf16" or "fp16" (see :class:`~polytrain.backends.core.step_options.StepOptions`).
+        activation_checkpointing: True (HF gradient checkpointing, else the repeated
+            blocks) or a list of module classes / class names to recompute in backward
+            (non-reentrant), applied before the backend wraps the model; False: off.
+        compile: ``torch.compile`` the model on every worker after the backend wrapped it
+            (ddp, fsdp version 2, horovod, fairscale sddp/oss, deepspeed, local mode; fsdp
+            version 1 and fairscale mode "fsdp" refuse it at construction).
         use_tqdm: show rank 0's progress as a bar on the driver.
         scheduler_step_freq: "batch", "epoch" or "manual" (your operator steps it).
         add_dist_sampler: give the loaders a distributed sampler.
@@ -129,11 +141,12 @@ class TorchTrainer(BaseTrainer):
         max_grad_norm: float | None = None,
         gradient_accumulation_steps: int = 1,
         precision: str | None = None,
+        activation_checkpointing: bool | list[Any] = False,
+        compile: bool = False,
     ) -> None:
-        self.step = step_options(max_grad_norm, gradient_accumulation_steps, precision, use_fp16)
-        self.datasets = ray_data.check_datasets(datasets, data_creator)
-        if self.datasets is not None:
-            data_creator = ray_data.shard_loaders
+        step = (max_grad_norm, gradient_accumulation_steps, precision, use_fp16)
+        self.step = step_options(*step, activation_checkpointing, compile)
+        self.datasets, data_creator = _data_source(datasets, data_creator)
         self.operator_cls = operator_class(training_operator_cls, scheduler_step_freq)
         self.creators = TorchCreators(
             model_creator, data_creator, optimizer_creator, loss_creator, scheduler_creator
@@ -153,11 +166,10 @@ class TorchTrainer(BaseTrainer):
             init_hook=init_hook,
             loggers=loggers,
         )
-        self.backend.validate_step_options(self.step)
+        self.backend.validate_step_options(self.step)  # compile=True too
         # Validates the global batch against the worker count (and warns on a remainder).
         self.worker_config = self._per_worker_config(self.config, self.scaling.num_workers)
-        self.scheduler_step_freq = scheduler_step_freq
-        self.add_dist_sampler = add_dist_sampler
+        self.scheduler_step_freq, self.add_dist_sampler = scheduler_step_freq, add_dist_sampler
         self.check_finite_loss = check_finite_loss
         self._start()
 

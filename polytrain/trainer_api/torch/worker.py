@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from polytrain.backends.core.backend import Backend
+from polytrain.backends.core.blocks import apply_activation_checkpointing
 from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.strategy import TorchStrategy
 from polytrain.checkpoint import rng_state
@@ -60,6 +61,8 @@ def setup_worker(setup: WorkerSetup, rank_info: Any, device_index: int) -> int:
     with strategy.worker_scope(ctx):
         components = _create_components(setup.creators, setup.config, ctx)
         components = strategy.setup(components, ctx)
+        if ctx.step.compile:
+            _compile(components)
         if setup.add_dist_sampler:
             _add_samplers(components, *strategy.sample_distribution(ctx))
         operator = setup.operator_cls(
@@ -85,6 +88,8 @@ def _create_components(
     train_loader, val_loader = creators.create_data(config)
     for model in models:
         model.to(ctx.device)  # in place: the optimizer creator gets what model_creator returned
+        # Before the backend wraps: fully_shard / DeepSpeed then wrap checkpointed blocks.
+        apply_activation_checkpointing(model, ctx.step.activation_checkpointing)
     optimizers = creators.create_optimizers(models, config)
     schedulers = creators.create_schedulers(optimizers, config)
     criterion = creators.create_loss(config)
@@ -98,6 +103,18 @@ def _create_components(
         train_loader=train_loader,
         val_loader=val_loader,
     )
+
+
+def _compile(components: Components) -> None:
+    """``torch.compile`` every trained model in place, after the backend wrapped it.
+
+    In place (``Module.compile``) keeps parameter names and state dicts; compiling the
+    DDP wrapper lets Dynamo split graphs at DDP's buckets (torch's DDPOptimizer), and
+    under FSDP2 it comes after ``fully_shard``, as torch's FSDP2 docs order it.
+    """
+    for model in components.models:
+        if any(p.requires_grad for p in model.parameters()):
+            model.compile()
 
 
 def _check_default_step_fits(operator: TrainingOperator) -> None:
