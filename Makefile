@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench lint unit
+.PHONY: setup test test-long demo bench lint unit
 
 setup:            ## install polytrain and every backend into .venv (idempotent)
 	bash scripts/setup.sh
@@ -12,6 +12,9 @@ test: setup       ## install everything (a single-node Slurm too, where root), t
 	bash scripts/install_slurm.sh
 	$(PY) -m ruff check polytrain tests examples benchmarks
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-long: setup  ## the whole suite plus every case of the backend x option matrices
+	POLYTRAIN_LONG_TESTS=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 unit:             ## the fast unit tests only (no Ray)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

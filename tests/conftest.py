@@ -82,6 +82,7 @@ def cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    _skip_long_matrix(items)
     if cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
@@ -179,3 +180,15 @@ def _reliability_row(label: str, tried: int, passed: int) -> str:
     previous = path.read_text().splitlines() if path.exists() else []
     kept = [line for line in previous if line.startswith(label)]
     return kept[0] if kept else f"{label} not run | - |"
+
+
+# ------------------------------------------------------------------ long matrices
+# A backend x option matrix runs a covering set of pairs in every run; the other cases are
+# marked long_matrix and run with POLYTRAIN_LONG_TESTS=1 (make test-long).
+def _skip_long_matrix(items):
+    if os.environ.get("POLYTRAIN_LONG_TESTS") == "1":
+        return
+    skip = pytest.mark.skip(reason="long matrix case: run with make test-long")
+    for item in items:
+        if "long_matrix" in item.keywords:
+            item.add_marker(skip)

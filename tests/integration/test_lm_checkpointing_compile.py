@@ -56,9 +56,9 @@ def clipped_reference():
     ("backend", "backend_config", "checkpointing"),
     [
         pytest.param("ddp", None, True, id="ddp-hf"),
-        pytest.param("ddp", None, ["GPT2Block"], id="ddp-blocks"),
+        pytest.param("ddp", None, ["GPT2Block"], id="ddp-blocks", marks=pytest.mark.long_matrix),
         pytest.param("fsdp", {"version": 2}, ["GPT2Block"], id="fsdp2-blocks"),
-        pytest.param("fsdp", {"version": 2}, True, id="fsdp2-hf"),
+        pytest.param("fsdp", {"version": 2}, True, id="fsdp2-hf", marks=pytest.mark.long_matrix),
         pytest.param("deepspeed", {"stage": 3}, ["GPT2Block"], id="deepspeed3-blocks"),
     ],
 )
@@ -107,8 +107,8 @@ def is_compiled(operator) -> bool:
     [
         pytest.param("ddp", None, id="ddp"),
         pytest.param("fsdp", {"version": 2}, id="fsdp2"),
-        pytest.param("horovod", None, id="horovod"),
-        pytest.param("fairscale", None, id="fairscale"),
+        pytest.param("horovod", None, id="horovod", marks=pytest.mark.long_matrix),
+        pytest.param("fairscale", None, id="fairscale", marks=pytest.mark.long_matrix),
         pytest.param("deepspeed", {"stage": 3}, id="deepspeed3"),
     ],
 )
