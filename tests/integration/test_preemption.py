@@ -87,7 +87,7 @@ def test_polytrain_train_exits_143_on_sigterm_and_resume_finishes(ray_start_4_cp
     address = ray_start_4_cpus.get_runtime_context().gcs_address
     command = [
         sys.executable, "-m", "polytrain", "train", "-c", "examples/configs/ddp.yaml",
-        "epochs=20", "checkpoint.every_n_steps=2", "checkpoint.num_to_keep=100",
+        "epochs=4", "checkpoint.every_n_steps=2", "checkpoint.num_to_keep=100",
         "--out", str(tmp_path), "--address", address, "--no-progress",
     ]  # fmt: skip
     root = Path(__file__).resolve().parents[2]
@@ -107,4 +107,4 @@ def test_polytrain_train_exits_143_on_sigterm_and_resume_finishes(ray_start_4_cp
         [*command, "--resume"], cwd=root, env=env, capture_output=True, text=True, timeout=600
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert torch.load(tmp_path / "final.pt", weights_only=True)["epoch"] == 20
+    assert torch.load(tmp_path / "final.pt", weights_only=True)["epoch"] == 4

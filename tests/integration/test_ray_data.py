@@ -92,7 +92,9 @@ def test_a_ray_dataset_trains_like_the_dataloader_path(reference):
 def test_a_parquet_file_trains_through_read_parquet(reference, tmp_path):
     import ray
 
-    ray.data.from_items(_items()).write_parquet(str(tmp_path / "digits"))
+    # two files, as a small data set is stored: from_items' default of 200 blocks would
+    # write 200 files and make every epoch 200 read tasks on a 2-core machine
+    ray.data.from_items(_items(), override_num_blocks=2).write_parquet(str(tmp_path / "digits"))
     dataset = ray.data.read_parquet(str(tmp_path / "digits"))
     stats = _train(datasets={"train": dataset, "val": dataset})
     assert stats[EPOCHS - 1]["loss"] == pytest.approx(reference[EPOCHS - 1]["loss"], rel=0.25)
