@@ -14,9 +14,10 @@ same machinery as :mod:`benchmarks.run`:
 
 Usage::
 
-    python benchmarks/lm_bench.py --suite memory            # 3 reps, 3 steps (~45 min on 2 cores)
-    python benchmarks/lm_bench.py --suite speed             # 3 reps, 10 steps (~30 min)
-    python benchmarks/lm_bench.py --suite both --quick      # smoke: tiny GPT-2, 1 rep (~10 min)
+    python benchmarks/lm_bench.py --suite memory            # 3 reps, 3 steps (~45-60 min on 2 cores)
+    python benchmarks/lm_bench.py --suite memory --reps 1   # one of each (~15-20 min)
+    python benchmarks/lm_bench.py --suite speed             # 3 reps, 10 steps (~35-45 min)
+    python benchmarks/lm_bench.py --suite both --quick      # smoke: tiny GPT-2, 1 rep (~8 min)
     python benchmarks/lm_bench.py --suite speed --only ddp,fsdp --reps 5
     python benchmarks/lm_bench.py --render-only             # rebuild sections 9-10 from out/
 

@@ -122,8 +122,11 @@ def render_memory(section: dict[str, Any]) -> list[str]:
         "loaded). *Set-up peak*: the high-water mark from the model's construction to the "
         "end of the wrap / sharding, before the first step (VmHWM read and then reset with "
         "`/proc/self/clear_refs`), minus the same baseline. The goal for a non-zero rank "
-        f"under fsdp and ZeRO-3 is well under the full model ({4 * p / 2**20:,.0f} MiB): every "
-        "runner here builds the whole model on every rank before sharding it, so it is not.",
+        f"under fsdp and ZeRO-3 is well under the full model ({4 * p / 2**20:,.0f} MiB). "
+        "polytrain's `model_creator` builds the whole model on every worker before the "
+        "backend shards it, and the native scripts do the same (like for like), so a "
+        "set-up peak of at least the full model is expected on both sides; building on the "
+        "meta device (FSDP2) or under `deepspeed.zero.Init` would lower it.",
         "- The formulas count model states only: the measured growth adds activations, the "
         "data, DDP's gradient buckets (another 4Ψ), DeepSpeed's flat partitions and "
         "buckets, FSDP's gathered unit, the allocator's free lists. fairscale's OSS alone "
