@@ -51,6 +51,37 @@ def _torchrun(script: str, *args: str) -> list[str]:
 
 
 # ------------------------------------------------------------------ cases
+def native_command(tag: str, s: str) -> tuple[str, list[str], tuple[str, ...]]:
+    """The label, command line and required modules of ``tag``'s native run on spec JSON ``s``."""
+    deepspeed = "native/deepspeed_native.py"
+    native = {
+        "ddp": ("torchrun + DDP script", _torchrun("native/ddp_native.py", "--spec", s), ()),
+        "fairscale": (
+            "torchrun + fairscale OSS/ShardedDDP script",
+            _torchrun("native/fairscale_native.py", "--spec", s),
+            ("fairscale",),
+        ),
+        "deepspeed": (
+            "torchrun + DeepSpeed ZeRO-2 engine script",
+            _torchrun(deepspeed, "--spec", s, "--stage", "2"),
+            ("deepspeed",),
+        ),
+        "zero3": (
+            "torchrun + DeepSpeed ZeRO-3 engine script",
+            _torchrun(deepspeed, "--spec", s, "--stage", "3"),
+            ("deepspeed",),
+        ),
+        "fsdp": ("torchrun + FSDP script", _torchrun("native/fsdp_native.py", "--spec", s), ()),
+        "horovod": (
+            "horovodrun --gloo -np 2 + Horovod script",
+            [str(BIN / "horovodrun"), "--gloo", "-np", str(NUM_WORKERS), sys.executable]
+            + [str(BENCH / "native/horovod_native.py"), "--spec", s],
+            ("horovod",),
+        ),
+    }
+    return native[tag]
+
+
 def torch_cases(
     tag: str, spec: WorkloadSpec | LMSpec, prefix: str, timeout_s: float | None = None
 ) -> list[Case]:
@@ -62,47 +93,18 @@ def torch_cases(
     """
     s = spec.to_json()
     timeout = timeout_s or (600.0 if spec.model == "big" else 300.0)
-    native = {
-        "ddp": ("torchrun + DDP script", _torchrun("native/ddp_native.py", "--spec", s), ()),
-        "fairscale": (
-            "torchrun + fairscale OSS/ShardedDDP script",
-            _torchrun("native/fairscale_native.py", "--spec", s),
-            ("fairscale",),
-        ),
-        "deepspeed": (
-            "torchrun + DeepSpeed ZeRO-2 engine script",
-            _torchrun("native/deepspeed_native.py", "--spec", s, "--stage", "2"),
-            ("deepspeed",),
-        ),
-        "zero3": (
-            "torchrun + DeepSpeed ZeRO-3 engine script",
-            _torchrun("native/deepspeed_native.py", "--spec", s, "--stage", "3"),
-            ("deepspeed",),
-        ),
-        "fsdp": ("torchrun + FSDP script", _torchrun("native/fsdp_native.py", "--spec", s), ()),
-        "horovod": (
-            "horovodrun --gloo -np 2 + Horovod script",
-            [
-                str(BIN / "horovodrun"),
-                "--gloo",
-                "-np",
-                str(NUM_WORKERS),
-                sys.executable,
-                str(BENCH / "native/horovod_native.py"),
-                "--spec",
-                s,
-            ],
-            ("horovod",),
-        ),
-    }
     backend_config = {
         "deepspeed": {"stage": 2},
         "zero3": {"stage": 3},
         "fairscale": {"mode": "sddp"},
     }.get(tag)
     backend = "deepspeed" if tag == "zero3" else tag
-    label, argv, requires = native[tag]
+    label, argv, requires = native_command(tag, s)
     native_key = f"{prefix}/native-{tag}"
+    driver = _py(
+        "drivers/polytrain_torch.py",
+        *("--backend", backend, "--backend-config", json.dumps(backend_config), "--spec", s),
+    )
     return [
         Case(native_key, label, tag, "native", [(argv, {})], spec, requires, timeout),
         Case(
@@ -111,20 +113,7 @@ def torch_cases(
             + (f", backend_config={backend_config})" if tag == "zero3" else ")"),
             tag,
             "polytrain",
-            [
-                (
-                    _py(
-                        "drivers/polytrain_torch.py",
-                        "--backend",
-                        backend,
-                        "--backend-config",
-                        json.dumps(backend_config),
-                        "--spec",
-                        s,
-                    ),
-                    {},
-                )
-            ],
+            [(driver, {})],
             spec,
             requires,
             timeout,

@@ -358,24 +358,7 @@ def run_sections(
                     print(f"[{name}] rep {rep + 1}/{reps}: {case.key} ...", flush=True)
                     result = run_case(case, log_dir)
                     entry["runs"].append(result)
-                    if result["ok"] and case.kind == "scenario":
-                        print(
-                            f"    {result['metrics']}  load {result['load_before']:.1f}", flush=True
-                        )
-                    elif result["ok"]:
-                        print(
-                            f"    launch {result['launch_s']:.1f}s  step "
-                            f"{_fmt(result['step_ms'], 2)} ms  interval "
-                            f"{_fmt(result['interval_ms'], 2)} ms  load {result['load_before']:.1f}",
-                            flush=True,
-                        )
-                    else:
-                        # A failing backend must not stop the others; its later reps are skipped.
-                        entry["skipped"] = f"failed: {result['error']} (log: {result['log']})"
-                        print(
-                            f"    {entry['skipped']}\n      " + "\n      ".join(result["log_tail"]),
-                            flush=True,
-                        )
+                    _report_run(case, entry, result)
         meta = {
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "load_start": load_start,
@@ -386,6 +369,25 @@ def run_sections(
             section[key]["meta"] = meta
         save_section(name, section, command, out_dir)  # an interrupted run keeps what it finished
     return results
+
+
+def _report_run(case: Case, entry: dict[str, Any], result: dict[str, Any]) -> None:
+    if result["ok"] and case.kind == "scenario":
+        print(f"    {result['metrics']}  load {result['load_before']:.1f}", flush=True)
+    elif result["ok"]:
+        print(
+            f"    launch {result['launch_s']:.1f}s  step "
+            f"{_fmt(result['step_ms'], 2)} ms  interval "
+            f"{_fmt(result['interval_ms'], 2)} ms  load {result['load_before']:.1f}",
+            flush=True,
+        )
+    else:
+        # A failing backend must not stop the others; its later reps are skipped.
+        entry["skipped"] = f"failed: {result['error']} (log: {result['log']})"
+        print(
+            f"    {entry['skipped']}\n      " + "\n      ".join(result["log_tail"]),
+            flush=True,
+        )
 
 
 def save_section(name: str, cases: dict[str, Any], command: str, out_dir: Path = OUT) -> None:
