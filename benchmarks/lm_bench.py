@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import lm_report, run  # noqa: E402
-from benchmarks.cases import Case, torch_cases  # noqa: E402
+from benchmarks.cases import Case, native_command, torch_cases  # noqa: E402
 from benchmarks.lm_workload import LMSpec  # noqa: E402
 
 QUICK_OUT = run.OUT / "quick"
@@ -64,6 +64,20 @@ def build_sections(args: argparse.Namespace) -> dict[str, list[list[Case]]]:
                 for c in torch_cases(tag, memory, lm_report.MEMORY, MEMORY_TIMEOUT_S)
             ]
         ]
+        # Not a comparison: what the native side reaches when ranks > 0 never hold the model.
+        label, argv, requires = native_command("fsdp", memory.to_json())
+        sections[lm_report.MEMORY][0].append(
+            Case(
+                lm_report.META_KEY,
+                label.replace("FSDP script", "FSDP2 script, ranks > 0 built on the meta device"),
+                "fsdp",
+                "native",
+                [(argv + ["--meta-init"], {})],
+                memory,
+                requires,
+                MEMORY_TIMEOUT_S,
+            )
+        )
     if args.suite in ("speed", "both"):
         sections[lm_report.SPEED] = [
             [

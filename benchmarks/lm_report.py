@@ -15,6 +15,8 @@ from benchmarks.run import _fmt, _goal, _meta_line, _ratio, _status, aggregate
 from benchmarks.workload import NUM_WORKERS
 
 MEMORY, SPEED = "lm-memory", "lm-speed"
+#: The native FSDP2 run whose ranks > 0 build the model on the meta device (no polytrain pair).
+META_KEY = f"{MEMORY}/native-fsdp-meta"
 MEMORY_TAGS = ("ddp", "fsdp", "deepspeed", "zero3", "fairscale")
 SPEED_TAGS = ("ddp", "fairscale", "fsdp", "deepspeed", "horovod")
 NAMES = {
@@ -114,7 +116,29 @@ def render_memory(section: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [row for tag in MEMORY_TAGS if (row := memory_row(section, tag, p))]
-    return lines + [
+    return lines + ["", *meta_reference(section, p), *memory_notes(p)]
+
+
+def meta_reference(section: dict[str, Any], p: int) -> list[str]:
+    """The line on the native FSDP2 run whose ranks > 0 never hold the whole model."""
+    entry = section.get(META_KEY)
+    if entry is None:
+        return []
+    if _status(entry):
+        return [f"- Reference, {entry['label']}: {_status(entry)}."]
+    setup, peaks = growth(entry, "setup_peak_rss_mb"), per_rank(entry, "peak_rss_mb")
+    return [
+        f"- Reference, {entry['label']}: set-up peak growth of rank 1 "
+        f"{_fmt(setup[-1] if setup else None, 0)} MiB (the full model: {4 * p / 2**20:,.0f} "
+        f"MiB); peak RSS {_ranks(peaks)} MiB; {aggregate(entry)['n']} rep(s). What FSDP2 "
+        "reaches when the model is built on the meta device outside rank 0 (polytrain's "
+        "`model_creator` builds it on every worker)."
+    ]
+
+
+def memory_notes(p: int) -> list[str]:
+    """The notes under the memory table."""
+    return [
         "",
         "- *Peak RSS*: the worker process's high-water mark over the whole run (VmHWM / "
         "`ru_maxrss`). *Growth*: the peak minus the RSS right before the model was built "

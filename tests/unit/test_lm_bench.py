@@ -47,7 +47,8 @@ def test_cases_pair_every_backend_with_its_native_run() -> None:
     )
     sections = lm_bench.build_sections(args)
     memory = {c.key: c for c in sections[lm_report.MEMORY][0]}
-    assert len(memory) == 2 * len(lm_report.MEMORY_TAGS)
+    assert len(memory) == 2 * len(lm_report.MEMORY_TAGS) + 1  # + the meta-init reference
+    assert "--meta-init" in memory[lm_report.META_KEY].commands[0][0]
     zero3 = memory["lm-memory/polytrain-zero3"]
     assert zero3.baseline == "lm-memory/native-zero3"
     assert '"stage": 3' in " ".join(zero3.commands[0][0])
