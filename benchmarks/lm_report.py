@@ -150,7 +150,9 @@ def memory_notes(p: int) -> list[str]:
         "polytrain's `model_creator` builds the whole model on every worker before the "
         "backend shards it, and the native scripts do the same (like for like), so a "
         "set-up peak of at least the full model is expected on both sides; building on the "
-        "meta device (FSDP2) or under `deepspeed.zero.Init` would lower it.",
+        "meta device (FSDP2, the reference line above) or under `deepspeed.zero.Init` would "
+        "lower it (zero.Init fails with DeepSpeed 0.19.8 on torch 2.13: its patched "
+        "`Tensor.__new__` is refused with a signature mismatch).",
         "- The formulas count model states only: the measured growth adds activations, the "
         "data, DDP's gradient buckets (another 4Ψ), DeepSpeed's flat partitions and "
         "buckets, FSDP's gathered unit, the allocator's free lists. fairscale's OSS alone "
