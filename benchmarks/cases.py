@@ -8,6 +8,7 @@ import socket
 import sys
 from pathlib import Path
 
+from benchmarks.lm_workload import LMSpec
 from benchmarks.workload import NUM_WORKERS, WorkloadSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +25,7 @@ class Case:
     tag: str
     kind: str  # "native" | "polytrain" | "raytrain" | "scenario" (metrics from driver.json)
     commands: list[tuple[list[str], dict[str, str]]]
-    spec: WorkloadSpec
+    spec: WorkloadSpec | LMSpec
     requires: tuple[str, ...] = ()
     timeout_s: float = 300.0
     baseline: str | None = None  # key of the case this one is compared with
@@ -50,10 +51,9 @@ def _torchrun(script: str, *args: str) -> list[str]:
 
 
 # ------------------------------------------------------------------ cases
-def torch_cases(tag: str, spec: WorkloadSpec, prefix: str) -> list[Case]:
-    """The native run and the polytrain run of one torch backend on ``spec``."""
-    s = spec.to_json()
-    timeout = 600.0 if spec.model == "big" else 300.0
+def native_command(tag: str, s: str) -> tuple[str, list[str], tuple[str, ...]]:
+    """The label, command line and required modules of ``tag``'s native run on spec JSON ``s``."""
+    deepspeed = "native/deepspeed_native.py"
     native = {
         "ddp": ("torchrun + DDP script", _torchrun("native/ddp_native.py", "--spec", s), ()),
         "fairscale": (
@@ -63,49 +63,57 @@ def torch_cases(tag: str, spec: WorkloadSpec, prefix: str) -> list[Case]:
         ),
         "deepspeed": (
             "torchrun + DeepSpeed ZeRO-2 engine script",
-            _torchrun("native/deepspeed_native.py", "--spec", s, "--stage", "2"),
+            _torchrun(deepspeed, "--spec", s, "--stage", "2"),
+            ("deepspeed",),
+        ),
+        "zero3": (
+            "torchrun + DeepSpeed ZeRO-3 engine script",
+            _torchrun(deepspeed, "--spec", s, "--stage", "3"),
             ("deepspeed",),
         ),
         "fsdp": ("torchrun + FSDP script", _torchrun("native/fsdp_native.py", "--spec", s), ()),
         "horovod": (
             "horovodrun --gloo -np 2 + Horovod script",
-            [
-                str(BIN / "horovodrun"),
-                "--gloo",
-                "-np",
-                str(NUM_WORKERS),
-                sys.executable,
-                str(BENCH / "native/horovod_native.py"),
-                "--spec",
-                s,
-            ],
+            [str(BIN / "horovodrun"), "--gloo", "-np", str(NUM_WORKERS), sys.executable]
+            + [str(BENCH / "native/horovod_native.py"), "--spec", s],
             ("horovod",),
         ),
     }
-    backend_config = {"deepspeed": {"stage": 2}, "fairscale": {"mode": "sddp"}}.get(tag)
-    label, argv, requires = native[tag]
+    return native[tag]
+
+
+def torch_cases(
+    tag: str, spec: WorkloadSpec | LMSpec, prefix: str, timeout_s: float | None = None
+) -> list[Case]:
+    """The native run and the polytrain run of one torch backend on ``spec``.
+
+    ``tag`` is a backend name, or "zero3": DeepSpeed ZeRO-3 (the deepspeed backend with
+    ``stage=3`` against the engine script with ``--stage 3``). ``spec`` is a
+    :class:`WorkloadSpec` or a GPT-2 :class:`~benchmarks.lm_workload.LMSpec`.
+    """
+    s = spec.to_json()
+    timeout = timeout_s or (600.0 if spec.model == "big" else 300.0)
+    backend_config = {
+        "deepspeed": {"stage": 2},
+        "zero3": {"stage": 3},
+        "fairscale": {"mode": "sddp"},
+    }.get(tag)
+    backend = "deepspeed" if tag == "zero3" else tag
+    label, argv, requires = native_command(tag, s)
     native_key = f"{prefix}/native-{tag}"
+    driver = _py(
+        "drivers/polytrain_torch.py",
+        *("--backend", backend, "--backend-config", json.dumps(backend_config), "--spec", s),
+    )
     return [
         Case(native_key, label, tag, "native", [(argv, {})], spec, requires, timeout),
         Case(
             f"{prefix}/polytrain-{tag}",
-            f'polytrain TorchTrainer(backend="{tag}")',
+            f'polytrain TorchTrainer(backend="{backend}"'
+            + (f", backend_config={backend_config})" if tag == "zero3" else ")"),
             tag,
             "polytrain",
-            [
-                (
-                    _py(
-                        "drivers/polytrain_torch.py",
-                        "--backend",
-                        tag,
-                        "--backend-config",
-                        json.dumps(backend_config),
-                        "--spec",
-                        s,
-                    ),
-                    {},
-                )
-            ],
+            [(driver, {})],
             spec,
             requires,
             timeout,

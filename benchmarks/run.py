@@ -15,6 +15,9 @@ Usage::
 
 ``--only`` takes: ddp, raytrain, horovod, fairscale, deepspeed, fsdp, tf, warm
 (see :mod:`benchmarks.warm_section`).
+The GPT-2 suites (memory per rank and speed on a transformer) are
+:mod:`benchmarks.lm_bench`; their tables (:mod:`benchmarks.lm_report`) are part of
+:func:`render`, so ``--render-only`` rebuilds them too.
 
 What is measured, per run (one run = one fresh launch):
 
@@ -274,6 +277,11 @@ def summarize(
             r["peak_rss_mb"] - r["baseline_rss_mb"] if r.get("baseline_rss_mb") else None
             for r in ranks
         ],
+        # Per rank (rank order): the set-up peak (model built and wrapped, before the first
+        # step) and the training peak after it (VmHWM reset in between; None where not reset).
+        "baseline_rss_mb": [r.get("baseline_rss_mb") for r in ranks],
+        "setup_peak_rss_mb": [r.get("setup_peak_rss_mb") for r in ranks],
+        "train_peak_rss_mb": [r.get("train_peak_rss_mb") for r in ranks],
         "niceness": [r["niceness"] for r in ranks],
         "torch_threads": [r["torch_threads"] for r in ranks],
         "python_threads": [r["python_threads"] for r in ranks],
@@ -306,9 +314,17 @@ def _scale(value: float | None) -> float | None:
 
 
 def run_sections(
-    sections: dict[str, list[list[Case]]], tags: set[str], reps: int, run_id: str, command: str
+    sections: dict[str, list[list[Case]]],
+    tags: set[str],
+    reps: int,
+    run_id: str,
+    command: str,
+    out_dir: Path = OUT,
 ) -> dict[str, dict[str, Any]]:
-    """Run every selected case ``reps`` times, interleaved within its group."""
+    """Run every selected case ``reps`` times, interleaved within its group.
+
+    Each section's results go to ``out_dir/<section>.json`` as soon as it is done.
+    """
     log_dir = OUT / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
@@ -342,24 +358,7 @@ def run_sections(
                     print(f"[{name}] rep {rep + 1}/{reps}: {case.key} ...", flush=True)
                     result = run_case(case, log_dir)
                     entry["runs"].append(result)
-                    if result["ok"] and case.kind == "scenario":
-                        print(
-                            f"    {result['metrics']}  load {result['load_before']:.1f}", flush=True
-                        )
-                    elif result["ok"]:
-                        print(
-                            f"    launch {result['launch_s']:.1f}s  step "
-                            f"{_fmt(result['step_ms'], 2)} ms  interval "
-                            f"{_fmt(result['interval_ms'], 2)} ms  load {result['load_before']:.1f}",
-                            flush=True,
-                        )
-                    else:
-                        # A failing backend must not stop the others; its later reps are skipped.
-                        entry["skipped"] = f"failed: {result['error']} (log: {result['log']})"
-                        print(
-                            f"    {entry['skipped']}\n      " + "\n      ".join(result["log_tail"]),
-                            flush=True,
-                        )
+                    _report_run(case, entry, result)
         meta = {
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "load_start": load_start,
@@ -368,13 +367,33 @@ def run_sections(
         }
         for key in section:
             section[key]["meta"] = meta
-        save_section(name, section, command)  # an interrupted run keeps what it finished
+        save_section(name, section, command, out_dir)  # an interrupted run keeps what it finished
     return results
 
 
-def save_section(name: str, cases: dict[str, Any], command: str) -> None:
+def _report_run(case: Case, entry: dict[str, Any], result: dict[str, Any]) -> None:
+    if result["ok"] and case.kind == "scenario":
+        print(f"    {result['metrics']}  load {result['load_before']:.1f}", flush=True)
+    elif result["ok"]:
+        print(
+            f"    launch {result['launch_s']:.1f}s  step "
+            f"{_fmt(result['step_ms'], 2)} ms  interval "
+            f"{_fmt(result['interval_ms'], 2)} ms  load {result['load_before']:.1f}",
+            flush=True,
+        )
+    else:
+        # A failing backend must not stop the others; its later reps are skipped.
+        entry["skipped"] = f"failed: {result['error']} (log: {result['log']})"
+        print(
+            f"    {entry['skipped']}\n      " + "\n      ".join(result["log_tail"]),
+            flush=True,
+        )
+
+
+def save_section(name: str, cases: dict[str, Any], command: str, out_dir: Path = OUT) -> None:
     """Merge ``cases`` into ``out/<name>.json``; cases not run this time keep their last results."""
-    path = OUT / f"{name}.json"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
     previous = json.loads(path.read_text())["cases"] if path.exists() else {}
     previous.update(cases)
     path.write_text(json.dumps({"command": command, "cases": previous}, indent=1))
@@ -612,6 +631,9 @@ def render(all_results: dict[str, dict[str, Any]]) -> str:
     warm = all_results.get("warm")
     if warm:
         out += warm_section.render(warm, _meta_line(warm))
+    from benchmarks import lm_report  # it imports this module's helpers
+
+    out += lm_report.render(all_results)
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -631,6 +653,12 @@ def _split_sections(text: str) -> dict[str, str]:
     return sections
 
 
+def _section_order(heading: str) -> tuple[int, str]:
+    # "### 10. ..." after "### 9. ...": by the number, not the text.
+    number = heading[4:].split(".", 1)[0]
+    return (int(number), heading) if number.isdigit() else (10**6, heading)
+
+
 def write_results_md(all_results: dict[str, dict[str, Any]]) -> None:
     """Replace the generated part of RESULTS.md, keeping the hand-written part above it.
 
@@ -645,14 +673,14 @@ def write_results_md(all_results: dict[str, dict[str, Any]]) -> None:
         head = "# Benchmark results\n\n"
     sections = _split_sections(old)
     sections.update(_split_sections(render(all_results)))
-    body = "\n".join(sections[key].rstrip() + "\n" for key in sorted(sections))
+    body = "\n".join(sections[key].rstrip() + "\n" for key in sorted(sections, key=_section_order))
     RESULTS.write_text(head.rstrip() + "\n\n" + GENERATED_START + "\n\n" + body)
 
 
-def load_saved() -> dict[str, dict[str, Any]]:
+def load_saved(out_dir: Path = OUT) -> dict[str, dict[str, Any]]:
     """The latest saved results of every section (``benchmarks/out/<section>.json``)."""
     saved = {}
-    for path in sorted(OUT.glob("*.json")):
+    for path in sorted(out_dir.glob("*.json")):
         try:
             saved[path.stem] = json.loads(path.read_text())["cases"]
         except (json.JSONDecodeError, KeyError):

@@ -83,8 +83,34 @@ def current_rss_mb() -> float:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set size so far (``ru_maxrss``), in MiB."""
+    """This process's peak resident set size so far (``ru_maxrss``), in MiB.
+
+    After :meth:`StepRecorder.setup_done` reset the high-water mark, this is the peak
+    since then; :meth:`StepRecorder.summary` reports the maximum of both.
+    """
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def hwm_rss_mb() -> float | None:
+    """The resident high-water mark (``VmHWM`` of /proc/self/status), in MiB; None if absent."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def reset_hwm() -> bool:
+    """Reset the resident high-water mark to the current RSS (Linux ``clear_refs`` 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
 
 
 # ----------------------------------------------------------------- recorder
@@ -101,6 +127,9 @@ class StepRecorder:
         self.step_s: list[float] = []
         self.ends: list[float] = []
         self.baseline_rss_mb: float | None = None
+        self.setup_peak_rss_mb: float | None = None
+        self.setup_rss_mb: float | None = None
+        self.hwm_reset = False
 
     def mark(self, name: str) -> None:
         """Record the wall-clock time of a named phase (the first call per name wins)."""
@@ -111,6 +140,19 @@ class StepRecorder:
         if self.baseline_rss_mb is None:
             self.baseline_rss_mb = current_rss_mb()
         self.mark("model_build")
+
+    def setup_done(self) -> None:
+        """Call after the model is wrapped, before the first step: the set-up peak.
+
+        Records the high-water mark so far (model build, broadcast, sharding) and resets
+        it, so that the peak at the end of the run is the training peak alone.
+        """
+        if self.setup_peak_rss_mb is not None:
+            return
+        self.setup_peak_rss_mb = hwm_rss_mb() or peak_rss_mb()
+        self.setup_rss_mb = current_rss_mb()
+        self.hwm_reset = reset_hwm()
+        self.mark("setup_done")
 
     def record(self, start: float, end: float) -> None:
         """Record one step that ran from ``start`` to ``end`` (``perf_counter`` values)."""
@@ -128,6 +170,7 @@ class StepRecorder:
         """Everything recorded, plus the process's peak memory and scheduling facts."""
         torch = sys.modules.get("torch")  # not imported just to ask (TensorFlow runs)
         intervals = [b - a for a, b in zip(self.ends, self.ends[1:], strict=False)]
+        train_peak = (hwm_rss_mb() or peak_rss_mb()) if self.hwm_reset else None
         return {
             "rank": rank,
             "pid": os.getpid(),
@@ -139,7 +182,11 @@ class StepRecorder:
             # End of step i-1 to end of step i: includes data loading and loop overhead.
             "interval_s": intervals,
             "baseline_rss_mb": self.baseline_rss_mb,
-            "peak_rss_mb": peak_rss_mb(),
+            # ru_maxrss follows the reset of setup_done(): the whole run's peak is the larger.
+            "peak_rss_mb": max(peak_rss_mb(), self.setup_peak_rss_mb or 0.0, train_peak or 0.0),
+            "setup_peak_rss_mb": self.setup_peak_rss_mb,
+            "setup_rss_mb": self.setup_rss_mb,
+            "train_peak_rss_mb": train_peak,
             "final_rss_mb": current_rss_mb(),
         }
 

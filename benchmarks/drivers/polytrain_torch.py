@@ -24,7 +24,8 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks import workload  # noqa: E402
+from benchmarks import lm_workload, workload  # noqa: E402
+from benchmarks.native.task import load_task  # noqa: E402
 from polytrain import TorchTrainer  # noqa: E402
 from polytrain.launchers.worker import STARTUP  # noqa: E402
 from polytrain.trainer_api.torch.operator import TrainingOperator  # noqa: E402
@@ -34,7 +35,8 @@ class TimedOperator(TrainingOperator):
     """The default training step, timed from the worker's side."""
 
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
-        """Run the default step and record its duration."""
+        """Run the default step and record its duration (the first marks the set-up's end)."""
+        workload.RECORDER.setup_done()  # no-op after the first call
         start = time.perf_counter()
         metrics = super().train_batch(batch, batch_info)
         workload.RECORDER.record(start, time.perf_counter())
@@ -78,17 +80,24 @@ def phase_marks(trainer: TorchTrainer) -> dict[str, Any]:
 def make_trainer(
     backend: str,
     backend_config: Any,
-    spec: workload.WorkloadSpec,
+    spec: workload.WorkloadSpec | lm_workload.LMSpec,
     num_workers: int = workload.NUM_WORKERS,
 ) -> TorchTrainer:
-    """The benchmark's trainer (timed operator, phase marks) on ``backend``."""
+    """The benchmark's trainer (timed operator, phase marks) on ``backend``.
+
+    The GPT-2 workload (an :class:`LMSpec`) has no ``loss_creator``: the default step
+    takes the model's own loss from its mapping batches, as a user's LM run does.
+    """
+    lm = isinstance(spec, lm_workload.LMSpec)
+    module: Any = lm_workload if lm else workload
+    batch = spec.batch * num_workers if lm else workload.GLOBAL_BATCH
     return PhaseTrainer(
-        model_creator=workload.pt_model_creator,
-        data_creator=workload.pt_data_creator,
-        optimizer_creator=workload.pt_optimizer_creator,
-        loss_creator=torch.nn.CrossEntropyLoss,
+        model_creator=module.pt_model_creator,
+        data_creator=module.pt_data_creator,
+        optimizer_creator=module.pt_optimizer_creator,
+        loss_creator=None if lm else torch.nn.CrossEntropyLoss,
         training_operator_cls=TimedOperator,
-        config={"batch_size": workload.GLOBAL_BATCH, "spec": spec.to_json()},
+        config={"batch_size": batch, "spec": spec.to_json()},
         num_workers=num_workers,
         num_cpus_per_worker=1,
         backend=backend,
@@ -113,7 +122,7 @@ def main() -> None:
         from polytrain.launchers.pool import warm_pool as pool
 
         pool.configure(preload=[] if args.preload == "none" else args.preload.split(","))
-    spec = workload.WorkloadSpec.from_json(args.spec)
+    spec = load_task(args.spec).spec
     marks = {"script_start": _START, "imported": time.time()}
     from polytrain.launchers.cluster.connect import ensure_ray
 

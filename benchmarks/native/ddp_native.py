@@ -17,6 +17,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from benchmarks import workload  # noqa: E402
+from benchmarks.native.task import load_task  # noqa: E402
 
 
 def main() -> None:
@@ -28,26 +29,25 @@ def main() -> None:
     rec = workload.RECORDER
     rec.marks["script_start"] = _START
     rec.mark("imported")
-    spec = workload.WorkloadSpec.from_json(args.spec)
+    task = load_task(args.spec)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     rec.mark("process_group")
-    model = DistributedDataParallel(workload.build_model(spec))
-    optimizer = workload.make_optimizer(model, spec)
-    criterion = torch.nn.CrossEntropyLoss()
-    loader = workload.make_loader(spec, rank, world)
+    model = DistributedDataParallel(task.build_model())
+    optimizer = task.make_optimizer(model)
+    loader = task.make_loader(rank, world)
     rec.mark("wrapped")
 
-    def step(features: torch.Tensor, target: torch.Tensor) -> None:
-        loss = criterion(model(features), target)
+    def step(batch: object) -> None:
+        loss = task.loss(model, batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         loss.item()
 
     model.train()
-    workload.run_steps(loader, step, spec.steps)
+    task.run(loader, step)
     workload.write_summary(args.result_dir, rank, {"local_rank": os.environ.get("LOCAL_RANK")})
     dist.destroy_process_group()
 

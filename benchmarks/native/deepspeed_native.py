@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks import workload  # noqa: E402
+from benchmarks.native.task import load_task  # noqa: E402
 
 
 def main() -> None:
@@ -32,35 +33,34 @@ def main() -> None:
     rec = workload.RECORDER
     rec.marks["script_start"] = _START
     rec.mark("imported")
-    spec = workload.WorkloadSpec.from_json(args.spec)
+    task = load_task(args.spec)
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     rec.mark("process_group")
-    module = workload.build_model(spec)
+    module = task.build_model()
     config = {
-        "train_batch_size": workload.GLOBAL_BATCH,
-        "train_micro_batch_size_per_gpu": workload.GLOBAL_BATCH // world,
+        "train_batch_size": task.micro_batch(world) * world,
+        "train_micro_batch_size_per_gpu": task.micro_batch(world),
         "zero_optimization": {"stage": args.stage},
         "gradient_clipping": 0.0,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
     }
     engine, _, _, _ = deepspeed.initialize(
-        model=module, optimizer=workload.make_optimizer(module, spec), config=config
+        model=module, optimizer=task.make_optimizer(module), config=config
     )
-    criterion = torch.nn.CrossEntropyLoss()
-    loader = workload.make_loader(spec, rank, world)
+    loader = task.make_loader(rank, world)
     rec.mark("wrapped")
 
-    def step(features: torch.Tensor, target: torch.Tensor) -> None:
-        loss = criterion(engine(features), target)
+    def step(batch: object) -> None:
+        loss = task.loss(engine, batch)
         engine.backward(loss)  # the engine clears gradients after its step
         engine.step()
         loss.item()
 
     engine.train()
-    workload.run_steps(loader, step, spec.steps)
+    task.run(loader, step)
     workload.write_summary(args.result_dir, rank)
     dist.destroy_process_group()
 

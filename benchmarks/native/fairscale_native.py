@@ -10,6 +10,7 @@ import time
 _START = time.time()
 
 import argparse  # noqa: E402
+import inspect  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -17,6 +18,7 @@ from fairscale.nn.data_parallel import ShardedDataParallel  # noqa: E402
 from fairscale.optim import OSS  # noqa: E402
 
 from benchmarks import workload  # noqa: E402
+from benchmarks.native.task import load_task  # noqa: E402
 
 
 def main() -> None:
@@ -28,29 +30,31 @@ def main() -> None:
     rec = workload.RECORDER
     rec.marks["script_start"] = _START
     rec.mark("imported")
-    spec = workload.WorkloadSpec.from_json(args.spec)
+    task = load_task(args.spec)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     rec.mark("process_group")
-    module = workload.build_model(spec)
-    optim_cls = torch.optim.SGD if spec.optimizer == "sgd" else torch.optim.Adam
-    defaults = workload.make_optimizer(torch.nn.Linear(1, 1), spec).defaults
-    optimizer = OSS(module.parameters(), optim=optim_cls, **defaults)
+    module = task.build_model()
+    # The workload's optimizer class and settings, rebuilt as OSS (as polytrain's backend does).
+    # (AdamW's defaults hold decoupled_weight_decay, which its constructor does not take.)
+    template = task.make_optimizer(torch.nn.Linear(1, 1))
+    accepted = inspect.signature(type(template)).parameters
+    defaults = {k: v for k, v in template.defaults.items() if k in accepted}
+    optimizer = OSS(module.parameters(), optim=type(template), **defaults)
     model = ShardedDataParallel(module, optimizer)
-    criterion = torch.nn.CrossEntropyLoss()
-    loader = workload.make_loader(spec, rank, world)
+    loader = task.make_loader(rank, world)
     rec.mark("wrapped")
 
-    def step(features: torch.Tensor, target: torch.Tensor) -> None:
-        loss = criterion(model(features), target)
+    def step(batch: object) -> None:
+        loss = task.loss(model, batch)
         model.zero_grad()  # OSS.zero_grad() would set grads to None under ShardedDDP
         loss.backward()
         optimizer.step()
         loss.item()
 
     model.train()
-    workload.run_steps(loader, step, spec.steps)
+    task.run(loader, step)
     workload.write_summary(args.result_dir, rank)
     dist.destroy_process_group()
 

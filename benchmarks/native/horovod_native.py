@@ -15,6 +15,7 @@ import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks import workload  # noqa: E402
+from benchmarks.native.task import load_task  # noqa: E402
 
 
 def main() -> None:
@@ -26,29 +27,28 @@ def main() -> None:
     rec = workload.RECORDER
     rec.marks["script_start"] = _START
     rec.mark("imported")
-    spec = workload.WorkloadSpec.from_json(args.spec)
+    task = load_task(args.spec)
     torch.set_num_threads(1)
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
     rec.mark("process_group")
-    model = workload.build_model(spec)
+    model = task.build_model()
     optimizer = hvd.DistributedOptimizer(
-        workload.make_optimizer(model, spec), named_parameters=model.named_parameters()
+        task.make_optimizer(model), named_parameters=model.named_parameters()
     )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    criterion = torch.nn.CrossEntropyLoss()
-    loader = workload.make_loader(spec, rank, world)
+    loader = task.make_loader(rank, world)
     rec.mark("wrapped")
 
-    def step(features: torch.Tensor, target: torch.Tensor) -> None:
-        loss = criterion(model(features), target)
+    def step(batch: object) -> None:
+        loss = task.loss(model, batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         loss.item()
 
     model.train()
-    workload.run_steps(loader, step, spec.steps)
+    task.run(loader, step)
     workload.write_summary(args.result_dir, rank)
     hvd.shutdown()
 
