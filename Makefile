@@ -3,13 +3,14 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-long demo bench lint unit
+.PHONY: setup test test-long demo bench lint unit docs
 
 setup:            ## install polytrain and every backend into .venv (idempotent)
 	bash scripts/setup.sh
 
-test: setup       ## install everything (a single-node Slurm too, where root), then run the whole test suite
+test: setup       ## install everything (a single-node Slurm and chromium too, where root), then run the whole test suite
 	bash scripts/install_slurm.sh
+	bash scripts/install_chromium.sh
 	$(PY) -m ruff check polytrain tests examples benchmarks
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -24,6 +25,9 @@ demo: setup       ## the main job: train the digits example on every installed b
 
 bench: setup      ## side-by-side benchmarks against the native launchers; rewrites benchmarks/RESULTS.md
 	$(PY) benchmarks/run.py
+
+docs: setup       ## build the documentation site into site/ (mkdocs build --strict)
+	$(PY) -m mkdocs build --strict --site-dir site
 
 lint:
 	$(PY) -m ruff check polytrain tests examples benchmarks

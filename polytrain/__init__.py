@@ -34,6 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from polytrain.backends.registry import available_backends, describe_backends, get_backend
     from polytrain.checkpoint.single_file import load_checkpoint
     from polytrain.trainer_api.options.configs import CheckpointConfig, FailureConfig, ScalingConfig
+    from polytrain.trainer_api.options.run_config import load_config
+    from polytrain.trainer_api.tensorflow.trainer import TFTrainer
     from polytrain.trainer_api.torch.operator import TrainingOperator
     from polytrain.trainer_api.torch.trainer import TorchTrainer
 

@@ -163,7 +163,7 @@ def pytest_sessionfinish(session, exitstatus):
         "test_hang_": "| hang detected within hang_timeout_s + 10 s, stuck rank and stacks "
         "reported, then raised or recovered |",
         "test_elastic_": "| elastic: shrink after a failure, keep the global batch, grow back |",
-        "test_bad_input.py": "| bad inputs (one test per row of the README's table; clear "
+        "test_bad_input.py": "| bad inputs (one test per row of the table in docs/failures.md; clear "
         "error, no actor left) |",
     }
     lines += ["", "## Hangs, elastic restarts, bad input", "", "| check | tried | passed |"]

@@ -210,7 +210,7 @@ class BaseTrainer(abc.ABC):
     def preemption(self) -> TerminationWatch:
         """SIGTERM during ``train()``: a checkpoint at the next boundary, then PreemptedError.
 
-        Only with a ``checkpoint_dir`` (README: Failures).
+        Only with a ``checkpoint_dir`` (docs/failures.md).
         """
         return TerminationWatch(enabled=self.checkpoint.checkpoint_dir is not None)
 
@@ -517,7 +517,7 @@ class BaseTrainer(abc.ABC):
                 few seconds for workers stuck in a collective. For a hung or broken
                 group; the default shutdown is as quick for a healthy one.
             release_workers: give everything back now: this trainer's workers are
-                stopped instead of kept warm (README: Warm workers), and so is every idle
+                stopped instead of kept warm (docs/warm-workers.md), and so is every idle
                 group of the pool (:func:`polytrain.pool.clear`); returns once Ray shows
                 their resources free (at most a few seconds).
         """

@@ -1,5 +1,5 @@
 """The bad-input table: every row fails clearly (value, what is allowed, what to do) and leaves
-no actor or placement group behind. README.md documents the same table."""
+no actor or placement group behind. docs/failures.md documents the same table."""
 
 from __future__ import annotations
 

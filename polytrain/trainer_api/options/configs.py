@@ -46,7 +46,7 @@ class FailureConfig:
             trainer's life, before the error is raised; 0 raises at the first failure.
             3 by default (RaySGD's default): a restart resumes from the state of the
             last epoch end, which every epoch end captures while this is above 0
-            (see the README, "Failures", for what that costs). An exception raised by
+            (see docs/failures.md for what that costs). An exception raised by
             user code is never retried. ``train(max_retries=n)`` sets a budget of
             ``n`` restarts for one call instead.
         hang_timeout_s: if no worker makes progress for this long, collect every
@@ -97,7 +97,7 @@ class CheckpointConfig:
             data position: a restart continues at the next batch, so a lost worker
             costs at most this many steps instead of the epoch. None: epoch ends only.
         every_s: also checkpoint inside an epoch once this many seconds have passed
-            since the last checkpoint (checked every few batches, see the README).
+            since the last checkpoint (checked every few batches, see docs/checkpoints.md).
     """
 
     checkpoint_dir: str | None = None

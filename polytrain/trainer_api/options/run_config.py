@@ -95,8 +95,8 @@ class RunConfig(StepFields):
         backend_config: the backend's options (its typed config's fields).
         num_workers: shortcut for ``scaling.num_workers``.
         use_gpu: shortcut for ``scaling.use_gpu``.
-        use_fp16, max_grad_norm, gradient_accumulation_steps, precision,
-            activation_checkpointing, compile: see :class:`StepFields`.
+        use_fp16: like ``max_grad_norm``, ``gradient_accumulation_steps``, ``precision``,
+            ``activation_checkpointing`` and ``compile``, a step option: see :class:`StepFields`.
         use_tqdm: show a progress bar while training.
         epochs: epochs that ``polytrain train`` / ``compare`` run.
         num_steps: at most this many optimizer steps per epoch (None: whole epochs).

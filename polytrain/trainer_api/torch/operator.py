@@ -106,7 +106,7 @@ class TrainingOperator:
                     f"trains one model with one optimizer (it would silently train only the "
                     f"first). Write a TrainingOperator subclass whose train_batch (or "
                     f"train_epoch) uses self.models and self.optimizers, and pass it as "
-                    f"training_operator_cls (README: Custom steps). Several schedulers are "
+                    f"training_operator_cls (docs/trainer.md: Custom steps). Several schedulers are "
                     f"fine: the default step steps all of them."
                 )
 

@@ -83,7 +83,7 @@ class TorchTrainer(BaseTrainer):
         max_grad_norm: clip the global gradient norm to this before every optimizer step
             and report ``grad_norm`` (the norm before clipping); None: off.
         gradient_accumulation_steps: batches per optimizer step; ``num_steps`` and
-            ``global_step`` count optimizer steps (see the README's language model section).
+            ``global_step`` count optimizer steps (see docs/language-models.md).
         precision: "fp32" (default), "bf16" or "fp16" (see :class:`~polytrain.backends.core.step_options.StepOptions`).
         activation_checkpointing: True (HF gradient checkpointing, else the repeated
             blocks) or a list of module classes / class names to recompute in backward
