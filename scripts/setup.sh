@@ -3,7 +3,7 @@
 # is skipped when what it installs already imports.
 #
 #   scripts/setup.sh            everything (torch, ray, lightning, tune, fairscale,
-#                               deepspeed, tensorflow + tf-keras, horovod)
+#                               deepspeed, tensorflow + tf-keras, hydra, horovod)
 #   SKIP_HOROVOD=1 scripts/setup.sh   everything but the Horovod build
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,8 +32,8 @@ if ! python -c "import torch" 2>/dev/null; then
   pip install -q "$TORCH_SPEC"
 fi
 
-log "polytrain with the pure-Python extras (ray, lightning, tune, fairscale, tensorflow, trackers, hf, dev)"
-pip install -q -e ".[lightning,tune,fairscale,tensorflow,trackers,hf,dev]"
+log "polytrain with the pure-Python extras (ray, lightning, tune, fairscale, tensorflow, trackers, hf, hydra, dev)"
+pip install -q -e ".[lightning,tune,fairscale,tensorflow,trackers,hf,hydra,dev]"
 
 # DeepSpeed's setup.py imports torch, so it must see the torch installed above
 # (no build isolation), and DS_BUILD_OPS=0 skips compiling CUDA/C++ ops: on CPU
