@@ -3,7 +3,7 @@
 # is skipped when what it installs already imports.
 #
 #   scripts/setup.sh            everything (torch, ray, lightning, tune, fairscale,
-#                               deepspeed, tensorflow + tf-keras, horovod, the docs tools)
+#                               deepspeed, tensorflow + tf-keras, hydra, horovod, the docs tools)
 #   SKIP_HOROVOD=1 scripts/setup.sh   everything but the Horovod build
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,8 +32,8 @@ if ! python -c "import torch" 2>/dev/null; then
   pip install -q "$TORCH_SPEC"
 fi
 
-log "polytrain with the pure-Python extras (ray, lightning, tune, fairscale, tensorflow, trackers, hf, docs, dev)"
-pip install -q -e ".[lightning,tune,fairscale,tensorflow,trackers,hf,docs,dev]"
+log "polytrain with the pure-Python extras (ray, lightning, tune, fairscale, tensorflow, trackers, hf, hydra, docs, dev)"
+pip install -q -e ".[lightning,tune,fairscale,tensorflow,trackers,hf,hydra,docs,dev]"
 
 # DeepSpeed's setup.py imports torch, so it must see the torch installed above
 # (no build isolation), and DS_BUILD_OPS=0 skips compiling CUDA/C++ ops: on CPU

@@ -22,6 +22,7 @@ from typing import Any
 
 from polytrain.backends.core.backend import Backend, BackendConfig
 from polytrain.compat.imports import install_hint, module_available, register_install_hint
+from polytrain.compat.omegaconf_values import plain_config
 from polytrain.errors import ConfigError, MissingDependencyError, UnknownBackendError
 
 __all__ = [
@@ -202,9 +203,11 @@ def get_backend(
 
     Args:
         backend: a registered name or alias, or a :class:`Backend` instance.
-        config: the backend's typed config, or a dict of its fields.
+        config: the backend's typed config, or a dict of its fields (an OmegaConf
+            ``DictConfig`` too).
         framework: when given, reject backends of another framework.
     """
+    config = plain_config(config, "backend_config")
     if isinstance(backend, str):
         config = _with_preset(backend, config)
     if isinstance(backend, Backend):

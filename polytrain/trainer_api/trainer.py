@@ -83,7 +83,8 @@ class BaseTrainer(abc.ABC):
     Args:
         backend: a backend name or alias, or a :class:`~polytrain.backends.Backend`.
         backend_config: the backend's typed config, or a dict of its fields.
-        config: the user's hyperparameters; ``batch_size`` is the global batch.
+        config: the user's hyperparameters; ``batch_size`` is the global batch. A dict,
+            or an OmegaConf ``DictConfig`` (converted to one, interpolations resolved).
         num_workers: shortcut for ``scaling_config.num_workers``.
         use_gpu: shortcut for ``scaling_config.use_gpu``.
         num_cpus_per_worker: shortcut for ``scaling_config.num_cpus_per_worker``.
@@ -177,7 +178,9 @@ class BaseTrainer(abc.ABC):
     def from_config(cls, path: str | Any, **overrides: Any) -> BaseTrainer:
         """Build a trainer from a YAML run config (see :mod:`polytrain.trainer_api.options.run_config`).
 
-        ``overrides`` use dotted keys for nested values, e.g. ``{"config.lr": 0.1}``.
+        ``path`` may also be the run config's keys as a dict or an OmegaConf
+        ``DictConfig`` (a Hydra app's section). ``overrides`` use dotted keys for
+        nested values, e.g. ``{"config.lr": 0.1}``.
         """
         from polytrain.trainer_api.options.run_config import trainer_from_config
 

@@ -27,6 +27,7 @@ from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.rendezvous import Rendezvous
 from polytrain.backends.core.step_options import StepOptions
 from polytrain.backends.core.strategy import Strategy, TorchStrategy, load_optimizer_states
+from polytrain.compat.omegaconf_values import plain_config
 from polytrain.errors import ConfigError, ConfigTypeError
 
 __all__ = [
@@ -49,9 +50,13 @@ class BackendConfig:
     def from_value(cls, value: Any, backend_name: str = "") -> BackendConfig:
         """Build the config from ``None``, an instance, or a mapping of field names.
 
+        A mapping may be an OmegaConf ``DictConfig`` (its interpolations resolved).
+
         Raises:
             ConfigTypeError: a mapping with an unknown key, or a value of another type.
+            ConfigError: a ``DictConfig`` with a missing (``???``) or unresolvable value.
         """
+        value = plain_config(value, "backend_config")
         if value is None:
             return cls()
         if isinstance(value, cls):

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from polytrain.compat.omegaconf_values import plain_config
 from polytrain.errors import ConfigError, ConfigTypeError
 from polytrain.launchers.scaling import (
     PLACEMENT_STRATEGIES,
@@ -132,10 +133,14 @@ class CheckpointConfig:
 def coerce_config(cls: type[T], value: Any, name: str) -> T:
     """Build option group ``cls`` from an instance, a dict of its fields or None.
 
+    An OmegaConf ``DictConfig`` counts as a dict (its interpolations resolved).
+
     Raises:
         ConfigTypeError: an unknown key, or a value that is none of the three.
-        ConfigError: a field value the option group rejects.
+        ConfigError: a field value the option group rejects, or a ``DictConfig``
+            with a missing (``???``) or unresolvable value.
     """
+    value = plain_config(value, name)
     if value is None:
         return cls()
     if isinstance(value, cls):
@@ -195,6 +200,7 @@ def merge_flat_options(cls: type[T], value: Any, name: str, **flat: Any) -> T:
         ConfigError: an option given both ways.
         ConfigTypeError: ``value`` of the wrong type, or an unknown key.
     """
+    value = plain_config(value, name)
     given = {k: v for k, v in flat.items() if v is not None}
     if isinstance(value, dict):
         _check_keys(cls, value, name)
@@ -217,12 +223,21 @@ def merge_flat_options(cls: type[T], value: Any, name: str, **flat: Any) -> T:
 def check_user_config(config: Any) -> dict[str, Any]:
     """A copy of the user's hyperparameters, with ``batch_size`` (the global batch) checked.
 
+    An OmegaConf ``DictConfig`` (a Hydra app's ``cfg`` or a section of it) becomes a
+    plain dict with its interpolations resolved; ``ListConfig`` values inside it
+    become lists.
+
     Raises:
         ConfigTypeError: ``config`` is not a dict (or None).
-        ConfigError: ``batch_size`` is not a positive int.
+        ConfigError: ``batch_size`` is not a positive int; a ``DictConfig`` with a
+            missing (``???``) or unresolvable value (the message names its key).
     """
+    config = plain_config(config, "config")
     if config is not None and not isinstance(config, dict):
-        raise ConfigTypeError(f"config must be a dict; got {type(config).__name__}: {config!r}.")
+        raise ConfigTypeError(
+            f"config must be a dict (or an OmegaConf DictConfig); got "
+            f"{type(config).__name__}: {config!r}."
+        )
     config = dict(config or {})
     batch = config.get("batch_size")
     if "batch_size" in config and (

@@ -36,6 +36,7 @@ import pydantic
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from polytrain.backends.registry import get_spec, resolve_backend_name
+from polytrain.compat.omegaconf_values import describe, is_omegaconf, plain_config
 from polytrain.errors import ConfigError, ConfigTypeError
 from polytrain.trainer_api.options.configs import CheckpointConfig, FailureConfig, ScalingConfig
 from polytrain.trainer_api.options.run_config_imports import (
@@ -335,6 +336,7 @@ class RunConfig(StepFields):
 
 # ---------------------------------------------------------------- loading
 def _validate(raw: Any, source: str) -> RunConfig:
+    raw = plain_config(raw, f"run config {source}")
     if not isinstance(raw, dict):
         raise ConfigError(
             f"{source} must be a mapping of run-config keys (model:, data:, backend:, ...); "
@@ -350,19 +352,35 @@ def _validate(raw: Any, source: str) -> RunConfig:
 
 
 def load_config(
-    path: str | os.PathLike, overrides: Mapping[str, Any] | Iterable[str] | None = None
+    path: str | os.PathLike | Mapping[str, Any],
+    overrides: Mapping[str, Any] | Iterable[str] | None = None,
 ) -> RunConfig:
     """Read and validate a YAML run config, applying dotted-key overrides.
 
+    Example (a Hydra app whose ``trainer:`` section holds run-config keys)::
+
+        @hydra.main(version_base=None, config_path="conf", config_name="config")
+        def main(cfg: DictConfig) -> None:
+            trainer = polytrain.load_config(cfg.trainer).build_trainer()
+
     Args:
-        path: the YAML file.
+        path: the YAML file, or the run config's keys as a mapping: a dict or an
+            OmegaConf ``DictConfig`` (interpolations are resolved, ``ListConfig``
+            values become lists).
         overrides: ``["backend=horovod", "num_workers=4", "config.lr=0.1"]`` (values are
             YAML scalars) or a mapping ``{"config.lr": 0.1}``.
 
     Raises:
         ConfigError: a missing file, bad YAML, or keys/values the schema rejects; the
-            message names each key path and what is allowed.
+            message names each key path and what is allowed. For a ``DictConfig``, a
+            missing (``???``) or unresolvable value, named by its key.
     """
+    if isinstance(path, Mapping) or is_omegaconf(path):
+        source = describe(path)
+        raw = plain_config(path, f"run config {source}")
+        if isinstance(raw, Mapping):
+            raw = apply_overrides(dict(raw), overrides)
+        return _validate(raw, source)  # not a mapping (a ListConfig): says so
     file = Path(path).expanduser()
     if not file.is_file():
         raise ConfigError(f"Run config {str(file)!r} does not exist (or is not a file).")
@@ -378,7 +396,7 @@ def load_config(
 
 
 def trainer_from_config(
-    path_or_config: str | os.PathLike | RunConfig,
+    path_or_config: str | os.PathLike | Mapping[str, Any] | RunConfig,
     trainer_cls: type | None = None,
     **overrides: Any,
 ) -> Any:
@@ -389,7 +407,8 @@ def trainer_from_config(
         ...                               **{"config.lr": 0.05})
 
     Args:
-        path_or_config: a YAML file or a loaded :class:`RunConfig`.
+        path_or_config: a YAML file, a loaded :class:`RunConfig`, or the run config's
+            keys as a dict or an OmegaConf ``DictConfig`` (a Hydra app's section).
         trainer_cls: the trainer class (default: from the config's ``trainer:``).
         **overrides: dotted keys, e.g. ``num_workers=4`` or ``**{"config.lr": 0.1}``.
     """
