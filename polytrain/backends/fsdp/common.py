@@ -66,7 +66,8 @@ class ShardedStates:
     ) -> Sequence[torch.nn.Module]:
         """Rank 0 builds the models in full (on the CPU: sharding moves them unit by unit to
         the device); the other ranks on the meta device. ``fallback``: every rank in full."""
-        if not (init_on_rank0 and _sharding.shards(ctx)):
+        # One worker holds the full model anyway: nothing to save.
+        if not (init_on_rank0 and _sharding.shards(ctx) and ctx.world_size > 1):
             return fallback()
         self.rank0_init = True
         if ctx.world_rank == 0:
