@@ -116,10 +116,11 @@ def test_rank0_builds_the_weights_the_others_only_their_shards(
     ray_start_4_cpus, no_leftover_actors, backend, backend_config
 ):
     expected = gpt2_creator({}).state_dict()
-    trainer = make_trainer(backend, backend_config, tag="rank0")
+    on, off = f"on {backend} {backend_config}", f"off {backend} {backend_config}"  # unique tags
+    trainer = make_trainer(backend, backend_config, tag=on)
     try:
         weights = trainer.state_dict()["models"][0]
-        seen = [s["rank0"][rank] for rank, s in enumerate(trainer.apply_all_operators(_seen))]
+        seen = [s[on][rank] for rank, s in enumerate(trainer.apply_all_operators(_seen))]
         tied = trainer.apply_all_operators(_tied)
         losses = _train_losses(trainer)
     finally:
@@ -135,9 +136,9 @@ def test_rank0_builds_the_weights_the_others_only_their_shards(
         assert seen[0][1:] == seen[1] == [{"meta": False, "stored": 0, "full": full}]
     assert tied == [True, True]
 
-    everywhere = make_trainer(backend, {**backend_config, "init_on_rank0": False}, tag="all")
+    everywhere = make_trainer(backend, {**backend_config, "init_on_rank0": False}, tag=off)
     try:
-        before = [s["all"][rank] for rank, s in enumerate(everywhere.apply_all_operators(_seen))]
+        before = [s[off][rank] for rank, s in enumerate(everywhere.apply_all_operators(_seen))]
         assert _train_losses(everywhere) == losses  # today's path: the same run
     finally:
         everywhere.shutdown()
