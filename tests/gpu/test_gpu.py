@@ -183,3 +183,77 @@ def test_fsdp2_matches_ddp_on_gpus(ray_start_4_cpus):
 
     # nccl's reduction order differs from DDP's allreduce: not bit-identical
     assert max_param_diff(run("fsdp"), run("ddp")) <= 1e-4
+
+
+def _meta_init_run(backend: str, backend_config: dict, tag: str, precision: str) -> dict:
+    """A 2-layer GPT-2 on nccl: its weights after set-up, what each rank's creator saw, losses."""
+    from tests.integration import test_meta_init as lm
+
+    trainer = TorchTrainer(
+        model_creator=lm.gpt2_creator,
+        data_creator=lm.data_creator,
+        optimizer_creator=lm.adam_creator,
+        config={"batch_size": lm.BATCH, "tag": tag},
+        num_workers=min(2, _num_gpus()),
+        use_gpu=True,
+        precision=precision,
+        backend=backend,
+        backend_config=backend_config,
+    )
+    try:
+        devices = trainer.apply_all_operators(lambda op: str(op.device))
+        weights = trainer.state_dict()["models"][0]
+        seen = [s[tag][rank] for rank, s in enumerate(trainer.apply_all_operators(lm._seen))]
+        tied = trainer.apply_all_operators(lm._tied)
+        losses = lm._train_losses(trainer)
+    finally:
+        trainer.shutdown()
+    assert all(device.startswith("cuda") for device in devices)
+    assert tied == [True] * len(tied)
+    return {"weights": weights, "seen": seen, "losses": losses}
+
+
+def _assert_built_on_rank0_only(seen: list, meta: bool) -> None:
+    full = seen[0][0]["full"]
+    assert seen[0][0] == {"meta": False, "stored": full, "full": full}
+    for builds in seen[1:]:  # no other rank ever held the full weights
+        assert builds and all(b["stored"] == 0 and b["meta"] is meta for b in builds)
+
+
+def test_fsdp2_by_block_bf16_on_nccl_builds_the_model_on_rank0_only(ray_start_4_cpus):
+    """init_on_rank0 under fully_shard by GPT2Block with a bf16 policy: rank 0's weights, exactly."""
+    pytest.importorskip("transformers")
+    if ray_start_4_cpus.cluster_resources().get("GPU", 0) < 1:
+        pytest.skip("the test Ray instance sees no GPU")
+    from tests.integration import test_meta_init as lm
+
+    options = {"auto_wrap_policy": ["GPT2Block"]}
+    run = _meta_init_run("fsdp", options, "gpu-fsdp2", "bf16")
+    expected = lm.gpt2_creator({}).state_dict()
+    for name, tensor in expected.items():  # fp32 shards: bit for bit
+        assert torch.equal(run["weights"][name].cpu(), tensor), name
+    _assert_built_on_rank0_only(run["seen"], meta=True)
+    today = _meta_init_run("fsdp", {**options, "init_on_rank0": False}, "gpu-fsdp2-all", "bf16")
+    assert run["losses"] == pytest.approx(today["losses"], rel=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero3_on_gpus_builds_the_model_under_zero_init(ray_start_4_cpus, precision):
+    """ZeRO-3 on nccl: every rank builds under zero.Init, and gets rank 0's weights."""
+    pytest.importorskip("transformers")
+    if not get_spec("deepspeed").installed:
+        pytest.skip("deepspeed is not installed")
+    if ray_start_4_cpus.cluster_resources().get("GPU", 0) < 1:
+        pytest.skip("the test Ray instance sees no GPU")
+    from tests.integration import test_meta_init as lm
+
+    run = _meta_init_run("deepspeed", {"stage": 3}, f"gpu-zero3-{precision}", precision)
+    today = _meta_init_run(
+        "deepspeed", {"stage": 3, "init_on_rank0": False}, f"gpu-zero3-all-{precision}", precision
+    )
+    # bf16: both paths round rank 0's fp32 weights to bf16 parameters the same way
+    expected = today["weights"] if precision == "bf16" else lm.gpt2_creator({}).state_dict()
+    for name, tensor in expected.items():
+        assert torch.equal(run["weights"][name].cpu(), tensor.cpu()), name
+    _assert_built_on_rank0_only(run["seen"], meta=False)
+    assert run["losses"] == pytest.approx(today["losses"], rel=1e-5)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from polytrain.backends.core.context import Components, WorkerContext
@@ -80,6 +80,20 @@ class TorchStrategy(Strategy):
     def prepare(self, components: Components, ctx: WorkerContext) -> Components:
         """Worker: move nothing and wrap nothing (subclasses wrap models and optimizers)."""
         return components
+
+    def build_models(
+        self, create: Callable[[], Sequence[Any]], ctx: WorkerContext
+    ) -> Sequence[Any]:
+        """Worker: call ``create`` (the user's ``model_creator``) and put the models on this worker's device.
+
+        The sharded backends override it to build the full model on rank 0 only
+        (:mod:`polytrain.backends.core.meta_init`). Moved in place: the optimizer
+        creator gets the very objects ``model_creator`` returned.
+        """
+        models = create()
+        for model in models:
+            model.to(ctx.device)
+        return models
 
     def setup(self, components: Components, ctx: WorkerContext) -> Components:
         """Worker: give ``components`` this worker's precision, then :meth:`prepare` them.

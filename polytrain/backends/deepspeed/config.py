@@ -54,6 +54,11 @@ class DeepSpeedConfig(BackendConfig):
         gradient_accumulation_steps: micro-batches per optimizer step; DeepSpeed
             reduces and steps only at the accumulation boundary.
         dist_backend: "gloo", "nccl", or None for nccl on GPU and gloo on CPU.
+        init_on_rank0: ZeRO-3 only: build the model inside ``deepspeed.zero.Init`` on
+            every rank (one module at a time, partitioned as it is built: no rank holds
+            the full parameters) and give it the weights ``model_creator`` builds for real
+            on rank 0, so they equal those of a build outside ``zero.Init``. None
+            (default): on for stage 3; False: every rank builds the full model.
 
     Raises:
         ConfigError: a value that is not allowed, or a DeepSpeed config that
@@ -66,6 +71,7 @@ class DeepSpeedConfig(BackendConfig):
     offload_param: bool = False
     gradient_accumulation_steps: int = 1
     dist_backend: str | None = None
+    init_on_rank0: bool | None = None
 
     def __post_init__(self) -> None:
         self._check_fields()
@@ -81,6 +87,25 @@ class DeepSpeedConfig(BackendConfig):
                 )
         self._check_conflicts()
         self._check_zero_section()
+        self._check_init_on_rank0()
+
+    def _check_init_on_rank0(self) -> None:
+        value = self.init_on_rank0
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(
+                f"init_on_rank0 must be True, False or None (the default: on for ZeRO stage "
+                f"3); got {value!r}."
+            )
+        if value and self.zero_stage != 3:
+            raise ConfigError(
+                f"init_on_rank0=True needs ZeRO stage 3 (parameters partitioned); stage "
+                f"{self.zero_stage} keeps the full parameters on every rank. Use stage=3 or drop "
+                f"init_on_rank0."
+            )
+
+    def builds_on_rank0(self) -> bool:
+        """Whether the model is built under ``deepspeed.zero.Init`` with rank 0's weights."""
+        return self.zero_stage == 3 and self.init_on_rank0 is not False
 
     def _check_fields(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in _STAGES:
@@ -172,7 +197,7 @@ class DeepSpeedConfig(BackendConfig):
 
     def worker_config(
         self,
-        micro_batch: int,
+        micro_batch: int | None,
         world_size: int,
         *,
         use_fp16: bool,
@@ -182,7 +207,9 @@ class DeepSpeedConfig(BackendConfig):
         """The DeepSpeed config a worker initialises its engine with.
 
         Args:
-            micro_batch: the worker's batch size (its training loader's).
+            micro_batch: the worker's batch size (its training loader's); None before the
+                loader exists (for ``zero.Init``, which reads no batch size): a placeholder
+                of 1, the config's own batch sizes left out.
             world_size: the number of workers.
             use_fp16: the trainer's ``use_fp16`` (fp16 on GPU, bf16 autocast on CPU),
                 unless ``config`` sets its own precision section.
@@ -196,6 +223,10 @@ class DeepSpeedConfig(BackendConfig):
                 accumulation / clipping other than the trainer's.
         """
         ds_config = copy.deepcopy(self.resolved())
+        if micro_batch is None:
+            micro_batch = 1
+            for key in ("train_micro_batch_size_per_gpu", "train_batch_size"):
+                ds_config.pop(key, None)
         step = step or StepOptions()
         apply_step_options(ds_config, step)
         steps = int(ds_config.get("gradient_accumulation_steps", 1))

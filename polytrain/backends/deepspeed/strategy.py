@@ -10,6 +10,7 @@ precision plugin is plain full precision.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ from polytrain.backends.deepspeed.state import (
     load_model_state,
     load_optimizer_state,
 )
+from polytrain.backends.deepspeed.zero_init import build_partitioned
 from polytrain.checkpoint.pieces import LocalState, ShardReader
 from polytrain.errors import ConfigError
 from polytrain.launchers.pool.reset import register_reset_hook
@@ -67,6 +69,24 @@ class DeepSpeedStrategy(TorchStrategy):
     def make_precision(self, ctx: WorkerContext) -> Precision:
         """Worker: full precision; the engine casts and scales as its config says (see prepare)."""
         return Precision()
+
+    def build_models(
+        self, create: Callable[[], Sequence[Any]], ctx: WorkerContext
+    ) -> Sequence[Any]:
+        """Worker: under ZeRO-3 (``init_on_rank0``), the model partitioned as it is built.
+
+        See :mod:`polytrain.backends.deepspeed.zero_init`: no rank holds the full
+        parameters but rank 0, whose full build gives every rank its weights.
+        """
+        if ctx.local_mode or ctx.world_size < 2 or not self.config.builds_on_rank0():
+            return super().build_models(create, ctx)
+        deepspeed = import_deepspeed()
+        skip_unused_shm_extension()
+        register_reset_hook(forget_deepspeed_groups)
+        ds_config = self.config.worker_config(
+            None, ctx.world_size, use_fp16=ctx.use_fp16, device_type=ctx.device.type, step=ctx.step
+        )
+        return build_partitioned(create, ctx, ds_config, deepspeed)
 
     def prepare(self, components: Components, ctx: WorkerContext) -> Components:
         """Worker: wrap the model and the user's optimizer in a DeepSpeed engine.

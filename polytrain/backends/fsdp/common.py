@@ -8,14 +8,19 @@ options of ``torch.distributed.checkpoint.state_dict``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 
+from polytrain.backends.core import meta_init
 from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.fsdp import state_v1 as fsdp_state
 from polytrain.checkpoint.pieces import LocalState, ShardReader
+
+#: How a user turns rank-0 initialisation off (named in errors).
+INIT_ON_RANK0_OFF = 'backend_config={"init_on_rank0": False}'
 
 # components.extra keys: per optimizer, the index of its model and its params' names.
 _OWNERS = "fsdp.optimizer_owners"
@@ -49,6 +54,46 @@ class ShardedStates:
 
     def __init__(self, version: FSDPVersion) -> None:
         self.version = version
+        #: Whether the models were built in full on rank 0 only (the others: on meta).
+        self.rank0_init = False
+
+    def build_models(
+        self,
+        create: Callable[[], Sequence[torch.nn.Module]],
+        ctx: WorkerContext,
+        init_on_rank0: bool,
+        fallback: Callable[[], Sequence[torch.nn.Module]],
+    ) -> Sequence[torch.nn.Module]:
+        """Rank 0 builds the models in full (on the CPU: sharding moves them unit by unit to
+        the device); the other ranks on the meta device. ``fallback``: every rank in full."""
+        # One worker holds the full model anyway: nothing to save.
+        if not (init_on_rank0 and _sharding.shards(ctx) and ctx.world_size > 1):
+            return fallback()
+        self.rank0_init = True
+        if ctx.world_rank == 0:
+            return create()
+        return meta_init.build_on_meta(create, ctx, INIT_ON_RANK0_OFF)
+
+    def rank0_weights(self, model: torch.nn.Module, ctx: WorkerContext) -> dict[str, Any] | None:
+        """Before sharding: rank 0's full state (``{}`` elsewhere); None without rank-0 init."""
+        if not self.rank0_init:
+            return None
+        return model.state_dict() if ctx.world_rank == 0 else {}
+
+    def load_rank0_weights(
+        self, model: torch.nn.Module, weights: dict[str, Any], ctx: WorkerContext
+    ) -> None:
+        """(every rank, collective) After sharding: each rank's shards of rank 0's weights.
+
+        Buffers are broadcast too: the non-persistent ones (not in a state dict, e.g.
+        rotary tables) are uninitialised memory on the ranks that built on meta.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        meta_init.materialize(model, ctx.device)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, weights, options=options)
+        meta_init.broadcast_from_rank0(list(model.buffers()))
 
     def prepare(self, components: Components, ctx: WorkerContext) -> Components:
         """Shard every trainable model; rebuild the optimizers over its shards.
@@ -67,6 +112,8 @@ class ShardedStates:
         wrapped = []
         for model, names in zip(components.models, names_by_model, strict=True):
             if not _sharding.trainable(model):
+                if self.rank0_init:  # never sharded: whole on every rank, rank 0's weights
+                    meta_init.load_whole_from_rank0(model, ctx.device)
                 wrapped.append(model)
                 continue
             fsdp_model = self.version.wrap(model, ctx)

@@ -33,6 +33,12 @@ class FSDPConfig(BackendConfig):
             class names, "size_based" or "none" (see :mod:`polytrain.backends.fsdp.wrap`).
         min_num_params: the size threshold of the "size_based" policy.
         sync_module_states: broadcast rank 0's parameters and buffers when wrapping.
+        init_on_rank0: only rank 0 builds the full model (``model_creator`` runs for real
+            there); the other ranks build it on the meta device and receive their shards
+            of rank 0's weights after sharding, so no other rank ever holds the full
+            weights. None (default): on, unless ``sync_module_states=False`` (each rank
+            keeps its own weights, so each must build them). False: every rank builds the
+            full model (for a creator that cannot run on the meta device).
         forward_prefetch: FSDP1's flag: gather the next unit's parameters during forward
             (True: version 1 only; FSDP2 overlaps its all-gathers by itself).
         limit_all_gathers: FSDP1's flag: bound the memory of in-flight all-gathers
@@ -44,6 +50,7 @@ class FSDPConfig(BackendConfig):
     auto_wrap_policy: Any = "auto"
     min_num_params: int = 100_000
     sync_module_states: bool = True
+    init_on_rank0: bool | None = None
     forward_prefetch: bool = False
     limit_all_gathers: bool = True
 
@@ -63,6 +70,7 @@ class FSDPConfig(BackendConfig):
         if self.min_num_params < 1:
             raise ConfigError(f"min_num_params must be a positive int; got {self.min_num_params}.")
         self._check_version()
+        self.init_on_rank0 = resolve_init_on_rank0(self.init_on_rank0, self.sync_module_states)
 
     def _check_version(self) -> None:
         if type(self.version) is not int or self.version not in FSDP_VERSIONS:
@@ -85,7 +93,24 @@ class FSDPConfig(BackendConfig):
                 )
 
 
-AUTO_WRAP_POLICIES = ("auto", "transformer", "size_based", "none")
+def resolve_init_on_rank0(value: Any, sync_module_states: bool) -> bool:
+    """Driver: ``init_on_rank0`` as a bool (None: on exactly when rank 0's weights are synced).
+
+    Raises:
+        ConfigTypeError: not a bool or None.
+        ConfigError: True with ``sync_module_states=False`` (rank 0's weights would be synced).
+    """
+    if value is not None and not isinstance(value, bool):
+        raise ConfigTypeError(
+            f"init_on_rank0 must be True, False or None (the default: on unless "
+            f"sync_module_states=False); got {value!r}."
+        )
+    if value and not sync_module_states:
+        raise ConfigError(
+            "init_on_rank0=True gives every rank rank 0's weights, which contradicts "
+            "sync_module_states=False (each rank keeps its own). Drop one of the two."
+        )
+    return bool(sync_module_states) if value is None else value
 
 
 def check_auto_wrap_policy(value: Any) -> str | tuple[Any, ...]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from polytrain.backends.core import meta_init
 from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.local_state import load_whole, replicated_local_state
@@ -63,7 +65,8 @@ class FSDP1Strategy(TorchStrategy):
     def wrap(self, model: torch.nn.Module, ctx: WorkerContext) -> torch.nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-        sync = self.config.sync_module_states
+        weights = self.states.rank0_weights(model, ctx)
+        sync = self.config.sync_module_states and weights is None
         if sync and ctx.device.type == "cpu":
             # FSDP's own sync_module_states insists on an accelerator: broadcast here.
             broadcast_from_rank0(model)
@@ -71,7 +74,7 @@ class FSDP1Strategy(TorchStrategy):
         policy = fsdp_wrap.fsdp1_policy(
             model, self.config.auto_wrap_policy, self.config.min_num_params
         )
-        return FullyShardedDataParallel(
+        wrapped = FullyShardedDataParallel(
             model,
             sharding_strategy=ShardingStrategy[self.config.sharding_strategy],
             auto_wrap_policy=policy,
@@ -81,6 +84,20 @@ class FSDP1Strategy(TorchStrategy):
             forward_prefetch=self.config.forward_prefetch,
             limit_all_gathers=self.config.limit_all_gathers,
             use_orig_params=True,
+            # Ranks that built on meta: storage module by module, rank 0's values below.
+            param_init_fn=meta_init.meta_param_init_fn(ctx.device) if weights is not None else None,
+        )
+        if weights is not None:
+            self.states.load_rank0_weights(wrapped, weights, ctx)
+        return wrapped
+
+    def build_models(
+        self, create: Callable[[], Sequence[Any]], ctx: WorkerContext
+    ) -> Sequence[Any]:
+        """Worker: with ``init_on_rank0``, the full model on rank 0 only (the others: meta)."""
+        full_everywhere = super().build_models
+        return self.states.build_models(
+            create, ctx, bool(self.config.init_on_rank0), lambda: full_everywhere(create, ctx)
         )
 
     @staticmethod

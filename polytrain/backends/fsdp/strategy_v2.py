@@ -25,7 +25,7 @@ Checkpoints share FSDP1's code by composition
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -158,7 +158,8 @@ class FSDP2Strategy(TorchStrategy):
         """Shard the units (:func:`wrap_units`), then the root, in place."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        if self.config.sync_module_states:
+        weights = self.states.rank0_weights(model, ctx)
+        if weights is None and self.config.sync_module_states:
             broadcast_from_rank0(model)
         dtype = amp_dtype(ctx)
         options = {
@@ -169,7 +170,19 @@ class FSDP2Strategy(TorchStrategy):
         }
         for unit in wrap_units(model, self.config.auto_wrap_policy, self.config.min_num_params):
             fully_shard(unit, **options)
-        return fully_shard(model, **options)
+        model = fully_shard(model, **options)
+        if weights is not None:
+            self.states.load_rank0_weights(model, weights, ctx)
+        return model
+
+    def build_models(
+        self, create: Callable[[], Sequence[Any]], ctx: WorkerContext
+    ) -> Sequence[Any]:
+        """Worker: with ``init_on_rank0``, the full model on rank 0 only (the others: meta)."""
+        full_everywhere = super().build_models
+        return self.states.build_models(
+            create, ctx, bool(self.config.init_on_rank0), lambda: full_everywhere(create, ctx)
+        )
 
     def _device_mesh(self, ctx: WorkerContext) -> Any:
         """The 1-D mesh over every rank on this worker's device type (the default group)."""

@@ -59,7 +59,7 @@ def setup_worker(setup: WorkerSetup, rank_info: Any, device_index: int) -> int:
         torch.set_num_threads(max(1, int(ctx.num_cpus)))
     strategy = setup.backend.make_strategy()
     with strategy.worker_scope(ctx):
-        components = _create_components(setup.creators, setup.config, ctx)
+        components = _create_components(setup.creators, setup.config, ctx, strategy)
         components = strategy.setup(components, ctx)
         if ctx.step.compile:
             _compile(components)
@@ -82,12 +82,12 @@ def setup_worker(setup: WorkerSetup, rank_info: Any, device_index: int) -> int:
 
 
 def _create_components(
-    creators: TorchCreators, config: dict[str, Any], ctx: WorkerContext
+    creators: TorchCreators, config: dict[str, Any], ctx: WorkerContext, strategy: TorchStrategy
 ) -> Components:
-    models = creators.create_models(config)
+    # The backend places the models (sharded ones: built in full on rank 0 only).
+    models = strategy.build_models(lambda: creators.create_models(config), ctx)
     train_loader, val_loader = creators.create_data(config)
     for model in models:
-        model.to(ctx.device)  # in place: the optimizer creator gets what model_creator returned
         # Before the backend wraps: fully_shard / DeepSpeed then wrap checkpointed blocks.
         apply_activation_checkpointing(model, ctx.step.activation_checkpointing)
     optimizers = creators.create_optimizers(models, config)

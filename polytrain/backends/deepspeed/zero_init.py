@@ -1,0 +1,102 @@
+"""ZeRO-3 set-up without a full model per worker (``init_on_rank0``).
+
+Every rank calls ``model_creator`` inside ``deepspeed.zero.Init``: each module's
+parameters are partitioned as soon as the module is built, so no rank holds the
+full parameters. Initialisation done after a module's constructor (HF's
+``post_init``, a creator's own ``model.apply(init_fn)``) would then touch empty
+partitions and be lost, so rank 0 also runs the creator outside ``zero.Init``, as
+today, and its weights are copied into the partitions module by module
+(``GatheredParameters(modifier_rank=0)``: one module's parameters gathered at a
+time). The weights equal those of the path without ``zero.Init``, where DeepSpeed
+broadcasts rank 0's parameters before partitioning them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from polytrain.backends.core import meta_init
+from polytrain.backends.core.context import WorkerContext
+
+#: How a user turns it off (named in errors).
+INIT_ON_RANK0_OFF = 'backend_config={"init_on_rank0": False}'
+
+
+def build_partitioned(
+    create: Callable[[], Sequence[torch.nn.Module]],
+    ctx: WorkerContext,
+    ds_config: dict[str, Any],
+    deepspeed: Any,
+) -> Sequence[torch.nn.Module]:
+    """Worker (every rank, collective): the models partitioned by ``zero.Init``, rank 0's weights.
+
+    Rank 0 holds its full build (on the CPU) until the copy is done; its random
+    numbers are drawn as without ``zero.Init`` (the partitioned build runs with the
+    generators' state restored afterwards).
+
+    Raises:
+        CreatorError: ``model_creator`` failed inside ``zero.Init``.
+    """
+    full = None
+    if ctx.world_rank == 0:
+        full = create()
+        with torch.random.fork_rng(devices=_cuda_devices(ctx)):
+            partitioned = _under_zero_init(create, ctx, ds_config, deepspeed)
+    else:
+        partitioned = _under_zero_init(create, ctx, ds_config, deepspeed)
+    for index, model in enumerate(partitioned):
+        _copy_from_rank0(model, full[index] if full is not None else None, deepspeed)
+    return partitioned
+
+
+def _under_zero_init(
+    create: Callable[[], Sequence[torch.nn.Module]],
+    ctx: WorkerContext,
+    ds_config: dict[str, Any],
+    deepspeed: Any,
+) -> Sequence[torch.nn.Module]:
+    import torch._dynamo  # noqa: F401 - see below
+    import torch.distributed as dist
+
+    # zero.Init replaces torch.Tensor.__new__ while it is open; torch._dynamo, imported
+    # lazily (e.g. by transformers inside the creator), checks that function's signature
+    # when first imported and fails on the replacement: import it before.
+
+    # zero.Init reads the world from DeepSpeed's comm layer: wrap the group that is up.
+    deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        try:
+            return create()
+        except Exception as exc:
+            where = "inside deepspeed.zero.Init (partitioned as it is built)"
+            raise meta_init.meta_error(exc, ctx, where, INIT_ON_RANK0_OFF) from exc
+
+
+def _copy_from_rank0(model: torch.nn.Module, full: torch.nn.Module | None, deepspeed: Any) -> None:
+    """(every rank, collective) ``full``'s parameters and buffers (rank 0) into ``model``."""
+    sources = dict(full.named_modules()) if full is not None else {}
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        own = [(k, p) for k, p in module._parameters.items() if p is not None and id(p) not in seen]
+        if not own:
+            continue
+        seen.update(id(p) for _, p in own)
+        with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=0):
+            if full is not None:
+                with torch.no_grad():
+                    for attr, param in own:
+                        param.data.copy_(getattr(sources[name], attr))
+    buffers = dict(model.named_buffers())
+    if full is not None:
+        with torch.no_grad():
+            for name, buffer in full.named_buffers():
+                buffers[name].copy_(buffer)
+    # Non-persistent buffers too: every rank gets rank 0's, as every parameter.
+    meta_init.broadcast_from_rank0(list(buffers.values()))
+
+
+def _cuda_devices(ctx: WorkerContext) -> list[int]:
+    return [ctx.device.index or 0] if ctx.device.type == "cuda" else []
