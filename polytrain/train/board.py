@@ -36,6 +36,8 @@ class ReportBoard:
         self.world_size = 1
         self.history: list[dict[str, Any]] = []
         self._pending: dict[int, dict[int, tuple[Any, bool]]] = {}
+        #: Local mode only (the board is a plain object): called after every new history entry.
+        self.listener: Any = None
         # (index, metrics) of every committed checkpoint, oldest first.
         self.committed: list[tuple[int, dict[str, Any]]] = [
             (order[0], self._read_metrics(name))
@@ -80,6 +82,8 @@ class ReportBoard:
         self.history.append(
             {**metrics, "_index": index, "_timestamp": time.time(), "_checkpoint": checkpoint_url}
         )
+        if self.listener is not None:
+            self.listener()
 
     def _commit(self, index: int, metrics: dict[str, Any]) -> str:
         name = layout.checkpoint_name(index)
@@ -120,6 +124,17 @@ class ReportBoard:
                 (self.root.url_of(layout.checkpoint_name(i)), m) for i, m in self.committed
             ],
         }
+
+    def entries_since(self, count: int) -> list[dict[str, Any]]:
+        """Driver: the history entries after the first ``count`` (what a poll has not seen)."""
+        return self.history[count:]
+
+    def release_before(self, index: int) -> None:
+        """Delete the committed checkpoints older than step ``index`` (another store holds copies)."""
+        doomed = [i for i, _ in self.committed if i < index]
+        for i in doomed:
+            self.root.remove(layout.checkpoint_name(i))
+        self.committed = [entry for entry in self.committed if entry[0] >= index]
 
     def latest_checkpoint(self) -> str | None:
         """The URL of the newest committed checkpoint, or None."""

@@ -106,6 +106,14 @@ class RunConfig:
         failure_config: :class:`FailureConfig` (or a dict of its fields).
         checkpoint_config: :class:`CheckpointConfig` (or a dict of its fields).
         verbose: unused; accepted for Ray Train compatibility.
+        callbacks: Ray Train's Tune callbacks; refused here: trackers go in ``loggers``,
+            Tune callbacks in the Tuner's own ``ray.tune.RunConfig(callbacks=...)``.
+        loggers: experiment trackers fed from rank 0's ``report()`` calls, as the
+            creator API's ``loggers=``: names (``"tensorboard"``, ``"mlflow"``,
+            ``"wandb"``, ``"csv"``, or ``"tensorboard,csv"``) and/or
+            :class:`polytrain.loggers.Logger` instances. Named ones write into the
+            run's directory when it is local (``metrics.csv`` next to the
+            checkpoints), else into ``polytrain_runs/run-<time>``.
     """
 
     name: str | None = None
@@ -114,6 +122,7 @@ class RunConfig:
     checkpoint_config: CheckpointConfig | dict | None = None
     verbose: Any = None
     callbacks: list[Any] = field(default_factory=list)
+    loggers: Any = None
 
     def __post_init__(self) -> None:
         self.failure_config = coerce(FailureConfig, self.failure_config, "failure_config")
@@ -134,9 +143,16 @@ class RunConfig:
             self.storage_path = os.fspath(self.storage_path)
         if self.callbacks:
             raise ConfigError(
-                "RunConfig(callbacks=...) is not supported by polytrain's function API; "
-                "log from the loop, or use the creator API's loggers=."
+                f"RunConfig(callbacks={self.callbacks!r}) is not supported by polytrain's "
+                f"function API. For trackers use RunConfig(loggers=['csv', 'tensorboard', ...]) "
+                f"(names or polytrain.loggers.Logger instances); for Tune callbacks pass "
+                f"ray.tune.RunConfig(callbacks=...) to polytrain.tune.Tuner."
             )
+        if self.loggers is not None:
+            from polytrain.loggers import resolve_loggers
+
+            # Names and types checked now, not at the end of a run; nothing is written yet.
+            resolve_loggers(self.loggers, log_dir=".")
 
 
 def coerce(cls: type, value: Any, name: str) -> Any:

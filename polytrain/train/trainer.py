@@ -11,6 +11,9 @@ polytrain's own machinery: a :class:`_LoopRunner` (a
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
 import datetime
 import inspect
 from collections.abc import Callable
@@ -25,6 +28,7 @@ from polytrain.train import worker_entry
 from polytrain.train.board import ReportBoard
 from polytrain.train.checkpoint import Checkpoint
 from polytrain.train.config import DEFAULT_STORAGE_PATH, RunConfig, coerce
+from polytrain.train.feed import ReportFeed, Sink, TrackerSink, public
 from polytrain.train.result import Result
 from polytrain.trainer_api.options.configs import coerce_config
 from polytrain.trainer_api.trainer import BaseTrainer
@@ -85,6 +89,7 @@ class _LoopRunner(BaseTrainer):
             board=owner.board_handle,
             run_url=owner.run_url,
             experiment_name=owner.name,
+            trial_name=owner.trial_name,
         )
         group.get(
             [
@@ -102,6 +107,10 @@ class _LoopRunner(BaseTrainer):
 
     def _load_worker_state(self, state: dict[str, Any]) -> None:
         raise ConfigError("A function-API trainer holds no state; use resume_from_checkpoint.")
+
+    def _poll_hooks(self) -> list[Callable[[], None]]:
+        feed = self.owner.feed
+        return [feed.poll] if feed is not None and feed.sinks else []
 
     def run(self) -> None:
         """Run the loop on every worker; a retried attempt starts from the latest checkpoint."""
@@ -177,6 +186,50 @@ class DataParallelTrainer:
         self.run_url = Storage(storage_path).child(self.name).url
         self.board: ReportBoard | None = None
         self.board_handle: Any = None
+        self.feed: ReportFeed | None = None
+        self.trial_name: str | None = None  # set inside a Tune trial
+        self._report_sinks: list[Sink] = []
+
+    def add_report_sink(self, sink: Sink) -> None:
+        """Driver: call ``sink(entry)`` with each of rank 0's reports while ``fit()`` runs.
+
+        ``entry`` is the reported metrics plus ``_index`` (the report's number from 0),
+        ``_timestamp`` and ``_checkpoint`` (the committed checkpoint's URL, or None).
+        Sinks run in the driver process, in report order, within about 0.25 s of the
+        last rank's report; an exception in a sink ends the run.
+        """
+        self._report_sinks.append(sink)
+
+    def as_trainable(self) -> Any:
+        """A Ray Tune trainable that runs this trainer's loop once per trial.
+
+        Prefer :class:`polytrain.tune.Tuner` (``Tuner(trainer, param_space=...)``), which
+        calls this. See :mod:`polytrain.train.tuning` for trial configs and resources.
+        """
+        from polytrain.train.tuning import make_loop_trainable
+
+        return make_loop_trainable(self)
+
+    def for_trial(
+        self, loop_config: dict[str, Any], scaling: ScalingConfig | dict | None
+    ) -> DataParallelTrainer:
+        """A copy for one Tune trial: ``loop_config`` merged into ``train_loop_config``.
+
+        Args:
+            loop_config: the trial's ``train_loop_config`` entries (they win).
+            scaling: a :class:`ScalingConfig` that replaces the trainer's, or a dict of
+                fields that update it, or None.
+        """
+        trial = copy.copy(self)
+        trial.train_loop_config = {**self.train_loop_config, **loop_config}
+        trial.takes_config = check_loop(self.train_loop_per_worker, trial.train_loop_config)
+        if isinstance(scaling, dict):
+            scaling = dataclasses.replace(self.scaling_config, **scaling)
+        trial.scaling_config = coerce_config(
+            ScalingConfig, scaling or self.scaling_config, "scaling_config"
+        )
+        trial._report_sinks = list(self._report_sinks)
+        return trial
 
     # --------------------------------------------------------------- driver
     def split_datasets(self, num_workers: int) -> list[dict[str, Any]]:
@@ -232,12 +285,20 @@ class DataParallelTrainer:
                 workers died more often than ``FailureConfig.max_failures`` allows.
         """
         self._make_board()
+        trackers = self._make_feed()
         self._runner: _LoopRunner | None = None
         try:
             self._runner = self._runner_cls(self)
             self._runner.run()
+            self.feed.poll()  # the reports after the last poll
             return self._result()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.feed.poll()  # the reports made before the failure still count
+            raise
         finally:
+            if trackers is not None:
+                trackers.finish()
             if self._runner is not None:
                 self._runner.shutdown()
             if self.board is None and self.board_handle is not None:
@@ -245,23 +306,42 @@ class DataParallelTrainer:
 
                 ray.kill(self.board_handle)
 
+    def _make_feed(self) -> TrackerSink | None:
+        """The feed of this fit's reports; its tracker sink (None without ``loggers``)."""
+        sinks = list(self._report_sinks)
+        trackers = None
+        if self.run_config.loggers is not None:
+            storage = Storage(self.run_url)
+            from polytrain.loggers import default_log_dir
+
+            log_dir = storage.path() if storage.local else str(default_log_dir())
+            run_info = {
+                "config": dict(self.train_loop_config),
+                "backend": getattr(self.backend, "name", self.backend),
+                "num_workers": self.scaling_config.num_workers,
+                "framework": self._runner_cls.framework,
+                "name": self.name,
+            }
+            trackers = TrackerSink(self.run_config.loggers, log_dir, run_info)
+            sinks.append(trackers)
+        self.feed = ReportFeed(lambda count: self._board_call("entries_since", count), sinks)
+        if self.board is not None:  # local mode: the board calls back after each report
+            self.board.listener = self.feed.poll
+        return trackers
+
     def _result(self) -> Result:
         snapshot = self._board_call("snapshot")
         history = snapshot["history"]
         committed = snapshot["committed"]
         best = [(Checkpoint(url), metrics) for url, metrics in committed]
         return Result(
-            metrics=_public(history[-1]) if history else {},
+            metrics=public(history[-1]) if history else {},
             checkpoint=best[-1][0] if best else None,
             error=None,
             path=self.run_url,
-            metrics_history=[_public(entry) for entry in history],
+            metrics_history=[public(entry) for entry in history],
             best_checkpoints=best,
         )
-
-
-def _public(entry: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in entry.items() if not k.startswith("_")}
 
 
 def _check_datasets(datasets: Any) -> dict[str, Any]:

@@ -23,6 +23,7 @@ class LoopSpec:
     board: Any
     run_url: str
     experiment_name: str
+    trial_name: str | None = None
 
 
 _SPEC = "polytrain_train_spec"
@@ -50,6 +51,7 @@ def setup_session(
         local_world_size=ctx.local_world_size,
         node_rank=ctx.node_rank,
         experiment_name=spec.experiment_name,
+        trial_name=spec.trial_name,
         storage_path=spec.run_url,
     )
     strategy = spec.backend.make_strategy()

@@ -284,6 +284,10 @@ class BaseTrainer(abc.ABC):
                 f"This {type(self).__name__} is shut down; create a new one."
             )
 
+    def _poll_hooks(self) -> list[Callable[[], None]]:
+        """Driver: more functions to call while a call runs (every 0.25 s; default: none)."""
+        return []
+
     def _share(self, value: Any) -> Any:
         """``value`` as one shared copy for every worker of the group (a checkpoint)."""
         return self._group.share(value) if self._group is not None else value
@@ -311,7 +315,7 @@ class BaseTrainer(abc.ABC):
             if self.failure.hang_timeout_s is not None
             else None
         )
-        pollers = [p.poll for p in (bar, watchdog) if p is not None]
+        pollers = [p.poll for p in (bar, watchdog) if p is not None] + self._poll_hooks()
 
         def on_poll() -> None:
             for poll in pollers:

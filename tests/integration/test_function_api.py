@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import os
 import signal
 import tempfile
@@ -159,6 +160,7 @@ def test_report_metrics_dataframe_and_score_pruning(tmp_path):
             checkpoint_config=CheckpointConfig(
                 num_to_keep=1, checkpoint_score_attribute="score", checkpoint_score_order="max"
             ),
+            loggers=["csv", "tensorboard"],
         ),
     ).fit()
     frame = result.metrics_dataframe
@@ -169,6 +171,21 @@ def test_report_metrics_dataframe_and_score_pruning(tmp_path):
     assert kept == ["checkpoint_000001", "checkpoint_000003"]
     assert [m["step"] for _, m in result.best_checkpoints] == [1, 3]
     assert os.path.exists(os.path.join(result.checkpoint.path, "COMMITTED"))
+    # Trackers get rank 0's reports from the driver, one record per report (step = its number).
+    with open(os.path.join(result.path, "metrics.csv")) as handle:
+        rows = list(csv.DictReader(handle))
+    assert [int(row["step"]) for row in rows] == [1, 2, 3, 4]
+    assert [float(row["score"]) for row in rows] == [-1, 0, -1, -2]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(result.path, "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("score")] == [
+        (1, -1),
+        (2, 0),
+        (3, -1),
+        (4, -2),
+    ]
 
 
 def test_sigkilled_worker_restarts_the_loop_from_the_last_checkpoint(tmp_path, no_leftover_actors):

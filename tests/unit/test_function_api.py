@@ -82,6 +82,10 @@ def test_ray_train_option_names_are_checked():
     with pytest.raises(ConfigTypeError, match="Unknown failure_config key"):
         RunConfig(failure_config={"max_retries": 2})
     assert RunConfig(checkpoint_config={"num_to_keep": 2}).checkpoint_config.num_to_keep == 2
+    with pytest.raises(ConfigError, match="Unknown logger 'csvv'.*Did you mean 'csv'"):
+        RunConfig(loggers=["csvv"])
+    with pytest.raises(ConfigError, match=r"callbacks=\[1\]\).*RunConfig\(loggers="):
+        RunConfig(callbacks=[1])
 
 
 def _write(root, index, rank):
@@ -225,3 +229,29 @@ def test_launch_parses_the_script_and_its_own_arguments(tmp_path):
         launch(str(script), num_workers=0)
     assert exit_code(RuntimeError("python s.py exited with code 3 on rank 1")) == 3
     assert exit_code(RuntimeError("worker died")) == 1
+
+
+def test_local_mode_reports_reach_the_trackers(tmp_path):
+    import csv
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = TorchTrainer(
+        local_loop,
+        train_loop_config={"steps": 3, "scratch": str(tmp_path / "scratch")},
+        scaling_config={"num_workers": 0},
+        run_config=RunConfig(
+            storage_path=str(tmp_path), name="tracked", loggers=["csv", "tensorboard"]
+        ),
+    ).fit()
+    # The CSV lies in the run's directory, one row per report at step = report number.
+    with open(os.path.join(result.path, "metrics.csv")) as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(row["step"], row["epoch"]) for row in rows] == [("1", "0"), ("2", "0"), ("3", "0")]
+    assert [float(row["loss"]) for row in rows] == pytest.approx([1, 1 / 2, 1 / 3])
+    assert "config/steps: 3" in open(os.path.join(result.path, "hparams.yaml")).read()
+    events = EventAccumulator(os.path.join(result.path, "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("loss")
+    assert [e.step for e in scalars] == [1, 2, 3]
+    assert [e.value for e in scalars] == pytest.approx([1, 1 / 2, 1 / 3])
