@@ -260,6 +260,25 @@ def _report(error: WorkerError, code: int, restart: int, max_restarts: int) -> N
     print(what, file=sys.stderr, flush=True)
 
 
+def _attempt(
+    command: list[str], scaling: ScalingConfig, launcher: LauncherEnv, attempt: LaunchAttempt
+) -> int:
+    """One launch attempt: 0, or the exit code of the first failing rank."""
+    runner = None
+    try:
+        runner = _ScriptRunner(command, scaling, launcher, attempt)
+        runner.run()
+        return 0
+    except WorkerError as error:
+        code = exit_code(error)
+        _report(error, code, attempt.restart, attempt.max_restarts)
+        return code
+    finally:
+        if runner is not None:
+            runner.shutdown()
+        launcher.stop()
+
+
 def launch(
     script: str,
     args: list[str] | None = None,
@@ -307,21 +326,8 @@ def launch(
     command = [sys.executable, "-u", os.path.abspath(script), *(args or [])]
     run_id = uuid.uuid4().hex[:12]
     for restart in range(max_restarts + 1):
-        launcher = env_class(local_rank_arg=local_rank_arg)
-        runner = None
-        try:
-            runner = _ScriptRunner(
-                command, scaling, launcher, LaunchAttempt(restart, max_restarts, run_id)
-            )
-            runner.run()
-            return 0
-        except WorkerError as error:
-            code = exit_code(error)
-            _report(error, code, restart, max_restarts)
-            if restart == max_restarts:
-                return code
-        finally:
-            if runner is not None:
-                runner.shutdown()
-            launcher.stop()
+        attempt = LaunchAttempt(restart, max_restarts, run_id)
+        code = _attempt(command, scaling, env_class(local_rank_arg=local_rank_arg), attempt)
+        if code == 0 or restart == max_restarts:
+            return code
     return 1  # pragma: no cover - the loop returns
