@@ -82,11 +82,17 @@ def test_every_ranks_output_is_prefixed_and_the_first_failing_ranks_code_returne
 ):
     script = tmp_path / "fails.py"
     script.write_text(
-        "import os, sys\n"
+        "import os, pathlib, sys, time\n"
         "rank = os.environ['RANK']\n"
         "print(f'hello from {rank} of {os.environ[\"WORLD_SIZE\"]}', flush=True)\n"
         "print(f'warning {rank}', file=sys.stderr, flush=True)\n"
-        "sys.exit(7 if rank == '1' else 0)\n"
+        f"done = pathlib.Path({str(tmp_path)!r}, 'rank0-done')\n"
+        "if rank == '0':\n"
+        "    done.write_text('')\n"
+        "    sys.exit(0)\n"
+        "while not done.exists():  # rank 1 fails after rank 0 had its say (a failure stops all)\n"
+        "    time.sleep(0.05)\n"
+        "sys.exit(7)\n"
     )
     proc = launch_cli(ray_address, "-n", "2", str(script))
     assert proc.returncode == 7
