@@ -33,6 +33,7 @@ __all__ = [
     "describe_backends",
     "get_backend",
     "get_backend_class",
+    "get_launcher_env_class",
     "get_spec",
     "register_backend",
     "resolve_backend_name",
@@ -74,6 +75,10 @@ class BackendSpec:
         test_cases: how the shared backend test-suite runs it.
         presets: aliases that also set options, ``{alias: backend_config}``; e.g.
             RaySGD's ``backend="gloo"`` is ``ddp`` with ``dist_backend="gloo"``.
+        launcher: ``"module:Class"`` of the
+            :class:`~polytrain.backends.core.launch_env.LauncherEnv` that gives an
+            unmodified script this backend's native launcher environment under
+            ``polytrain launch`` (None: the backend has no launcher of its own).
     """
 
     name: str
@@ -86,6 +91,7 @@ class BackendSpec:
     install: str | None = None
     test_cases: tuple[TestCase, ...] = ()
     presets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    launcher: str | None = None
 
     @property
     def installed(self) -> bool:
@@ -194,6 +200,30 @@ def get_backend_class(name: str, framework: str | None = None) -> type[Backend]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
+def get_launcher_env_class(name: str) -> type:
+    """Import the :class:`~polytrain.backends.core.launch_env.LauncherEnv` of a backend.
+
+    Raises:
+        UnknownBackendError: an unknown name, or a backend without a launcher of its own.
+        MissingDependencyError: the backend's package is not installed.
+    """
+    spec = get_spec(name)
+    if spec.launcher is None:
+        with_launcher = ", ".join(s.name for s in _SPECS.values() if s.launcher)
+        raise UnknownBackendError(
+            f"polytrain launch --backend {name!r}: '{spec.name}' has no launcher environment; "
+            f"choose one of {with_launcher} (a torch.distributed script runs under 'ddp', "
+            f"torchrun's environment)."
+        )
+    if spec.missing:
+        raise MissingDependencyError(
+            f"polytrain launch --backend {spec.name} needs '{spec.missing[0]}', which is not "
+            f"installed. Install it with: {spec.install_hint}"
+        )
+    module_name, class_name = spec.launcher.split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
 def get_backend(
     backend: str | Backend,
     config: BackendConfig | dict | None = None,
@@ -277,6 +307,7 @@ for _spec in (
         requires=("torch",),
         test_cases=(TestCase("ddp", None, 0.0),),
         presets={"gloo": {"dist_backend": "gloo"}, "nccl": {"dist_backend": "nccl"}},
+        launcher="polytrain.backends.core.launch_env:TorchrunEnv",
     ),
     BackendSpec(
         "horovod",
@@ -288,6 +319,7 @@ for _spec in (
         extra="horovod",
         install=_HOROVOD_BUILD,
         test_cases=(TestCase("horovod"),),
+        launcher="polytrain.backends.horovod.launch_env:HorovodrunEnv",
     ),
     BackendSpec(
         "fairscale",
@@ -301,6 +333,7 @@ for _spec in (
             TestCase("fairscale-oss", {"mode": "oss"}),
             TestCase("fairscale-sddp", {"mode": "sddp"}),
         ),
+        launcher="polytrain.backends.core.launch_env:TorchrunEnv",
     ),
     BackendSpec(
         "fsdp",
@@ -310,6 +343,7 @@ for _spec in (
         aliases=("torch_fsdp",),
         requires=("torch",),
         test_cases=(TestCase("fsdp"), TestCase("fsdp-v1", {"version": 1})),
+        launcher="polytrain.backends.core.launch_env:TorchrunEnv",
     ),
     BackendSpec(
         "deepspeed",
@@ -324,6 +358,7 @@ for _spec in (
             TestCase("deepspeed-zero2", {"stage": 2}),
             TestCase("deepspeed-zero3", {"stage": 3}, parity_tol=1e-4),
         ),
+        launcher="polytrain.backends.deepspeed.launch_env:DeepSpeedLauncherEnv",
     ),
     BackendSpec(
         "mwms",

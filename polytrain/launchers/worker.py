@@ -4,7 +4,7 @@ Functions sent to a worker keep what they build in :data:`WORKER_STATE`, a
 per-process dict, so the executor itself holds no training state. Training calls
 run on the actor's default thread (always the same thread: CUDA's current
 device and some frameworks are per-thread); the ``monitor`` concurrency group
-answers progress and stack-dump requests while that thread is busy or stuck.
+answers progress, output and stack-dump requests while that thread is busy or stuck.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ WORKER_STATE: dict[str, Any] = {}
 _training_thread: int | None = None  # ident of the thread that runs ``execute``
 _progress_lock = threading.Lock()
 _progress: dict[str, Any] = {"phase": "idle", "step": 0, "total": None, "updated": time.time()}
+_output_lock = threading.Lock()
+_output: list[tuple[str, str]] = []  # lines for the driver (see emit_output)
 
 #: Wall-clock marks of this process's start (``actor_init``, ``preload_done``) and the
 #: seconds each pre-imported module took (``import:<name>``): the cold-start profile.
@@ -64,6 +66,24 @@ def read_progress() -> dict[str, Any]:
     """A copy of this worker's latest progress record."""
     with _progress_lock:
         return dict(_progress)
+
+
+def emit_output(line: str, stream: str = "stdout") -> None:
+    """Queue a line of output (a child process's) for the driver to print on ``stream``.
+
+    The driver takes the queue with the monitor call :meth:`Worker.output`: lines
+    reach its console as they are, with no Ray log prefix and no deduplication.
+    """
+    with _output_lock:
+        _output.append((stream, line))
+
+
+def take_output() -> list[tuple[str, str]]:
+    """Every queued ``(stream, line)``, oldest first; the queue is empty afterwards."""
+    with _output_lock:
+        lines = _output[:]
+        _output.clear()
+    return lines
 
 
 def find_free_port() -> int:
@@ -176,6 +196,7 @@ class Worker:
         self._wait_for_preload()
         self._reuse_blocker = worker_reset.reset_process(WORKER_STATE)
         clear_progress()
+        take_output()
         return self._reuse_blocker
 
     def reuse(self, env_vars: dict[str, str] | None = None) -> WorkerMetadata | None:
@@ -221,6 +242,10 @@ class Worker:
     def progress(self) -> dict[str, Any]:
         """This worker's latest progress record."""
         return read_progress()
+
+    def output(self) -> list[tuple[str, str]]:
+        """Output lines queued by :func:`emit_output` since the last call."""
+        return take_output()
 
     def stacks(self) -> str:
         """Every Python thread's stack: where a stuck worker is stuck."""

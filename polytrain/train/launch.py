@@ -1,34 +1,53 @@
-"""``polytrain launch``: run an unmodified ``torchrun`` script on N Ray workers.
+"""``polytrain launch``: run an unmodified ``torchrun`` / ``horovodrun`` / ``deepspeed`` script on Ray.
 
-Each worker actor runs ``python script.py args...`` as a child process with the
-environment ``torchrun`` gives it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR`` / ``MASTER_PORT`` on rank 0's
-node, ``TORCHELASTIC_RESTART_COUNT`` / ``TORCHELASTIC_MAX_RESTARTS`` /
-``TORCHELASTIC_RUN_ID``), prints its output line by line prefixed ``[rankN]:``
-(as ``torchrun --tee`` with ``--log-line-prefix``), and fails when the script
-exits non-zero: the group is torn down at the first failing rank, and the run
-is restarted up to ``max_restarts`` times, as ``torchrun --max-restarts`` does.
-The children die with their actor (``PR_SET_PDEATHSIG``), so Ctrl-C stops every rank.
+Each worker actor runs ``python -u script.py args...`` as a child process with
+the environment the script's native launcher gives it: ``torchrun``'s by
+default (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``GROUP_RANK``, ``MASTER_ADDR`` / ``MASTER_PORT`` on rank 0's node,
+``TORCHELASTIC_*``), ``horovodrun --gloo``'s with ``backend="horovod"`` (a
+rendezvous server on the driver) and the ``deepspeed`` launcher's (plus
+``--local_rank=N``) with ``backend="deepspeed"``; the registry names each
+backend's :class:`~polytrain.backends.core.launch_env.LauncherEnv`.
+
+Every rank's stdout and stderr lines reach the driver's console through the
+workers' monitor channel, prefixed ``[rankN]:`` (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``
+changes it, as for ``torchrun``). The first rank that exits non-zero tears
+the group down; the run is restarted up to ``max_restarts`` times, as ``torchrun
+--max-restarts`` does, and then fails with that rank's exit code. The children
+die with their actor (``PR_SET_PDEATHSIG``), so Ctrl-C stops every rank.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import string
 import subprocess
 import sys
+import threading
+import time
 import uuid
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import IO, Any
 
 from polytrain.backends.core.backend import Backend
+from polytrain.backends.core.launch_env import LaunchAttempt, LauncherEnv
+from polytrain.backends.registry import get_launcher_env_class
 from polytrain.errors import ConfigError, PolytrainError, WorkerError
 from polytrain.launchers.base import WorkerGroup
-from polytrain.launchers.ranks import torch_distributed_env
+from polytrain.launchers.network import socket_ifname_env
 from polytrain.launchers.scaling import ScalingConfig
+from polytrain.launchers.worker import emit_output
 from polytrain.trainer_api.trainer import BaseTrainer
 
 _EXIT = re.compile(r"exited with code (-?\d+)")
+
+#: The line prefix, a template of ``${rank}``, ``${local_rank}`` and ``${role_name}``
+#: (torchrun's macros); ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` replaces it.
+DEFAULT_PREFIX = "[rank${rank}]:"
+
+# Seconds the driver waits for the last output of the ranks once the run is over.
+_DRAIN_WAIT_S = 3.0
 
 
 class ScriptFailedError(PolytrainError, RuntimeError):
@@ -37,10 +56,18 @@ class ScriptFailedError(PolytrainError, RuntimeError):
 
 @dataclass
 class ScriptRun:
-    """One launch attempt: the command and the environment of every rank."""
+    """One launch attempt: the command, and every rank's environment, arguments and node."""
 
     command: list[str]
     envs: list[dict[str, str]]
+    rank_args: list[list[str]] = field(default_factory=list)
+    node_ips: list[str] = field(default_factory=list)
+    use_gpu: bool = False
+
+    def argv(self, rank: int) -> list[str]:
+        """Rank ``rank``'s command line: the interpreter and script, the launcher's and the user's arguments."""
+        extra = self.rank_args[rank] if self.rank_args else []
+        return [*self.command[:3], *extra, *self.command[3:]]
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
@@ -50,25 +77,39 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def _forward(pipe: IO[str], stream: str) -> None:
+    for line in pipe:
+        emit_output(line, stream)
+
+
 def run_script(run: ScriptRun) -> int:
     """Worker: run the script with this rank's environment; raise if it exits non-zero."""
     rank = int(os.environ.get("POLYTRAIN_LAUNCH_RANK", "0"))
     env = {**os.environ, **run.envs[rank]}
+    if run.node_ips:  # gloo's (and Horovod's) interface: the one holding this node's address
+        env.update(socket_ifname_env(run.node_ips[rank], env, run.use_gpu))
     preexec = _die_with_parent if sys.platform.startswith("linux") else None
+    argv = run.argv(rank)
     with subprocess.Popen(
-        run.command,
+        argv,
         env=env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stderr=subprocess.PIPE,
         text=True,
         bufsize=1,
         preexec_fn=preexec,  # noqa: PLW1509 - only a prctl call, before exec
     ) as child:
-        for line in child.stdout:
-            print(f"[rank{rank}]:{line}", end="", flush=True)
+        readers = [
+            threading.Thread(target=_forward, args=(pipe, name), daemon=True)
+            for pipe, name in ((child.stdout, "stdout"), (child.stderr, "stderr"))
+        ]
+        for reader in readers:
+            reader.start()
         code = child.wait()
+        for reader in readers:
+            reader.join()
     if code != 0:
-        raise ScriptFailedError(f"{' '.join(run.command)} exited with code {code} on rank {rank}")
+        raise ScriptFailedError(f"{' '.join(argv)} exited with code {code} on rank {rank}")
     return code
 
 
@@ -76,37 +117,96 @@ def _set_rank(rank: int) -> None:
     os.environ["POLYTRAIN_LAUNCH_RANK"] = str(rank)
 
 
+def line_prefixes(group: WorkerGroup, template: str | None = None) -> list[str]:
+    """Every rank's line prefix from a torchrun-style template (default ``[rank${rank}]:``)."""
+    tmpl = string.Template(template or DEFAULT_PREFIX)
+    return [
+        tmpl.safe_substitute(rank=info.world_rank, local_rank=info.local_rank, role_name="default")
+        for info in group.rank_infos
+    ]
+
+
+class OutputPrinter:
+    """Prints the ranks' queued output lines on the driver's console, each with its rank's prefix.
+
+    Call :meth:`poll` regularly while the group runs (it never waits) and
+    :meth:`drain` once the run is over.
+    """
+
+    def __init__(self, group: WorkerGroup, prefixes: list[str]) -> None:
+        self._group, self._prefixes = group, prefixes
+        self._pending: dict[int, Any] = {}
+
+    def _print(self, rank: int, lines: list[tuple[str, str]] | None) -> None:
+        for stream, line in lines or ():
+            out = sys.stderr if stream == "stderr" else sys.stdout
+            out.write(f"{self._prefixes[rank]}{line}" + ("" if line.endswith("\n") else "\n"))
+        if lines:
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+    def poll(self) -> None:
+        """Print what came in and ask every rank again."""
+        for rank in range(len(self._prefixes)):
+            ref = self._pending.get(rank)
+            if ref is not None:
+                done, lines = self._group.poll(ref)
+                if not done:
+                    continue
+                self._print(rank, lines)
+            self._pending[rank] = self._group.monitor_single_async(rank, "output")
+
+    def drain(self, timeout_s: float = _DRAIN_WAIT_S) -> None:
+        """Print every rank's remaining lines (a dead rank's are lost), waiting at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        for final in (False, True):
+            while self._pending and time.monotonic() < deadline:
+                for rank, ref in list(self._pending.items()):
+                    done, lines = self._group.poll(ref)
+                    if done:
+                        del self._pending[rank]
+                        self._print(rank, lines)
+                time.sleep(0.02)
+            if not final:  # one last call per rank, after the script's end
+                self._pending = {
+                    r: self._group.monitor_single_async(r, "output")
+                    for r in range(len(self._prefixes))
+                }
+        self._pending = {}
+
+
 class _ScriptRunner(BaseTrainer):
     """A worker group that runs one launch attempt."""
 
-    def __init__(self, command: list[str], scaling: ScalingConfig, restart: int, max_restarts: int):
-        self.command, self.restart, self.max_restarts = command, restart, max_restarts
-        self.run_id = uuid.uuid4().hex[:12]
+    def __init__(
+        self,
+        command: list[str],
+        scaling: ScalingConfig,
+        launcher: LauncherEnv,
+        attempt: LaunchAttempt,
+    ) -> None:
+        self.command, self.launcher, self.attempt = command, launcher, attempt
         super().__init__(
             backend=Backend(), scaling_config=scaling, failure_config={"max_retries": 0}
         )
         self._start()
 
     def _setup_workers(self, group: WorkerGroup) -> None:
-        master_addr = group.metadata[0].node_ip
-        from polytrain.launchers.worker import find_free_port
-
-        master_port = group.execute_single(0, find_free_port)
-        extra = {
-            "TORCHELASTIC_RESTART_COUNT": str(self.restart),
-            "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
-            "TORCHELASTIC_RUN_ID": self.run_id,
-            "OMP_NUM_THREADS": str(max(1, int(self.scaling.num_cpus_per_worker))),
-        }
-        envs = [
-            {**torch_distributed_env(info, master_addr, master_port), **extra}
-            for info in group.rank_infos
-        ]
-        for info in group.rank_infos:
-            envs[info.world_rank]["ROLE_RANK"] = str(info.world_rank)
-            envs[info.world_rank]["ROLE_WORLD_SIZE"] = str(info.world_size)
+        envs = self.launcher.envs(group, self.attempt)
+        threads = str(max(1, int(self.scaling.num_cpus_per_worker)))
+        for env in envs:
+            env.setdefault("OMP_NUM_THREADS", threads)
         group.get([group.execute_single_async(r, _set_rank, r) for r in range(len(group))])
-        self.script_run = ScriptRun(self.command, envs)
+        self.script_run = ScriptRun(
+            self.command,
+            envs,
+            rank_args=[self.launcher.script_args(info) for info in group.rank_infos],
+            node_ips=[meta.node_ip for meta in group.metadata],
+            use_gpu=bool(self.scaling.num_gpus_per_worker),
+        )
+        self.prefixes = line_prefixes(
+            group, os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+        )
 
     def _worker_state(self) -> dict[str, Any]:
         raise ConfigError("polytrain launch holds no state.")
@@ -115,7 +215,23 @@ class _ScriptRunner(BaseTrainer):
         raise ConfigError("polytrain launch holds no state.")
 
     def run(self) -> None:
-        self._run(run_script, self.script_run)
+        """Run the script on every rank, printing their output; tear down at the first failure."""
+        group = self._group
+        printer = OutputPrinter(group, self.prefixes)
+        try:
+            group.get(
+                group.execute_async(run_script, self.script_run),
+                on_poll=printer.poll,
+                poll_interval_s=0.1,
+            )
+        except KeyboardInterrupt:
+            self._teardown_group(force=True)
+            raise
+        except BaseException:
+            printer.drain()  # the failing rank's last lines: its traceback
+            self._teardown_group(force=True)
+            raise
+        printer.drain()
 
 
 def exit_code(error: BaseException) -> int:
@@ -124,55 +240,94 @@ def exit_code(error: BaseException) -> int:
     return int(found.group(1)) if found else 1
 
 
+def _check_args(script: str, num_workers: int, max_restarts: int) -> None:
+    if not os.path.isfile(script):
+        raise ConfigError(
+            f"polytrain launch: script {script!r} is not a file (looked in {os.getcwd()}); "
+            f"give the path of the training script."
+        )
+    if num_workers < 1 or max_restarts < 0:
+        raise ConfigError(
+            f"polytrain launch needs -n >= 1 and --max-restarts >= 0; got -n {num_workers}, "
+            f"--max-restarts {max_restarts}."
+        )
+
+
+def _report(error: WorkerError, code: int, restart: int, max_restarts: int) -> None:
+    what = f"polytrain launch: rank {error.rank} failed (exit code {code})"
+    if restart < max_restarts:
+        what += f"; restart {restart + 1} of {max_restarts}"
+    print(what, file=sys.stderr, flush=True)
+
+
+def _attempt(
+    command: list[str], scaling: ScalingConfig, launcher: LauncherEnv, attempt: LaunchAttempt
+) -> int:
+    """One launch attempt: 0, or the exit code of the first failing rank."""
+    runner = None
+    try:
+        runner = _ScriptRunner(command, scaling, launcher, attempt)
+        runner.run()
+        return 0
+    except WorkerError as error:
+        code = exit_code(error)
+        _report(error, code, attempt.restart, attempt.max_restarts)
+        return code
+    finally:
+        if runner is not None:
+            runner.shutdown()
+        launcher.stop()
+
+
 def launch(
     script: str,
     args: list[str] | None = None,
     *,
     num_workers: int = 1,
+    backend: str = "ddp",
     cpus_per_worker: float = 1,
     gpus_per_worker: float = 0,
     max_restarts: int = 0,
+    local_rank_arg: bool = True,
     address: str | None = None,
 ) -> int:
-    """Run ``python script args...`` on ``num_workers`` Ray workers as ``torchrun`` would.
+    """Run ``python script args...`` on ``num_workers`` Ray workers as its native launcher would.
+
+    Args:
+        script: the training script, unmodified.
+        args: its arguments.
+        num_workers: the number of ranks.
+        backend: whose launcher environment the ranks get: ``"ddp"`` (``torchrun``;
+            also ``fsdp`` and ``fairscale``), ``"horovod"`` (``horovodrun --gloo``) or
+            ``"deepspeed"`` (the ``deepspeed`` launcher), or an alias of one.
+        cpus_per_worker: CPUs per rank (also its ``OMP_NUM_THREADS`` unless set).
+        gpus_per_worker: GPUs per rank.
+        max_restarts: restart every rank this often after a failure.
+        local_rank_arg: ``backend="deepspeed"`` appends ``--local_rank=N`` to the
+            script's arguments, as the launcher does without ``--no_local_rank``.
+        address: the Ray cluster (None: ``RAY_ADDRESS`` or a local one).
 
     Returns:
         0, or the exit code of the first failing rank once the restarts are spent.
 
     Raises:
         ConfigError: the script does not exist, or a bad count.
+        UnknownBackendError: a backend without a launcher environment.
+        MissingDependencyError: the backend's framework is not installed.
     """
-    if not os.path.isfile(script):
-        raise ConfigError(f"polytrain launch: script {script!r} is not a file.")
-    if num_workers < 1 or max_restarts < 0:
-        raise ConfigError(
-            f"polytrain launch needs -n >= 1 and --max-restarts >= 0; got -n {num_workers}, "
-            f"--max-restarts {max_restarts}."
-        )
+    _check_args(script, num_workers, max_restarts)
+    env_class = get_launcher_env_class(backend)
     scaling = ScalingConfig(
         num_workers=num_workers,
         num_cpus_per_worker=cpus_per_worker,
         num_gpus_per_worker=gpus_per_worker or None,
         address=address,
     )
-    command = [sys.executable, os.path.abspath(script), *(args or [])]
+    command = [sys.executable, "-u", os.path.abspath(script), *(args or [])]
+    run_id = uuid.uuid4().hex[:12]
     for restart in range(max_restarts + 1):
-        runner = _ScriptRunner(command, scaling, restart, max_restarts)
-        try:
-            runner.run()
-            return 0
-        except WorkerError as error:
-            code = exit_code(error)
-            print(
-                f"polytrain launch: rank {error.rank} failed (exit code {code}); "
-                f"restart {restart + 1} of {max_restarts}"
-                if restart < max_restarts
-                else f"polytrain launch: rank {error.rank} failed (exit code {code})",
-                file=sys.stderr,
-                flush=True,
-            )
-            if restart == max_restarts:
-                return code
-        finally:
-            runner.shutdown()
+        attempt = LaunchAttempt(restart, max_restarts, run_id)
+        code = _attempt(command, scaling, env_class(local_rank_arg=local_rank_arg), attempt)
+        if code == 0 or restart == max_restarts:
+            return code
     return 1  # pragma: no cover - the loop returns
