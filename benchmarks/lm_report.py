@@ -131,8 +131,8 @@ def meta_reference(section: dict[str, Any], p: int) -> list[str]:
         f"- Reference, {entry['label']}: set-up peak growth of rank 1 "
         f"{_fmt(setup[-1] if setup else None, 0)} MiB (the full model: {4 * p / 2**20:,.0f} "
         f"MiB); peak RSS {_ranks(peaks)} MiB; {aggregate(entry)['n']} rep(s). What FSDP2 "
-        "reaches when the model is built on the meta device outside rank 0 (polytrain's "
-        "`model_creator` builds it on every worker)."
+        "reaches when the model is built on the meta device outside rank 0, as polytrain "
+        "does by default under fsdp and ZeRO-3 (`init_on_rank0`)."
     ]
 
 
@@ -147,12 +147,14 @@ def memory_notes(p: int) -> list[str]:
         "end of the wrap / sharding, before the first step (VmHWM read and then reset with "
         "`/proc/self/clear_refs`), minus the same baseline. The goal for a non-zero rank "
         f"under fsdp and ZeRO-3 is well under the full model ({4 * p / 2**20:,.0f} MiB). "
-        "polytrain's `model_creator` builds the whole model on every worker before the "
-        "backend shards it, and the native scripts do the same (like for like), so a "
-        "set-up peak of at least the full model is expected on both sides; building on the "
-        "meta device (FSDP2, the reference line above) or under `deepspeed.zero.Init` would "
-        "lower it (zero.Init fails with DeepSpeed 0.19.8 on torch 2.13: its patched "
-        "`Tensor.__new__` is refused with a signature mismatch).",
+        "The native scripts build the whole model on every rank (the scripts most users "
+        "start from); polytrain builds it on rank 0 only under fsdp and ZeRO-3 (the other "
+        "ranks on the meta device or under `deepspeed.zero.Init`, then receive their "
+        "shards: `init_on_rank0`, on by default), so its rank 1 set-up peak is compared "
+        "with the native FSDP2 script run with `--meta-init` (the reference line above). A "
+        "native `deepspeed.zero.Init` script is not run: outside polytrain (which imports "
+        "`torch._dynamo` first) its patched `Tensor.__new__` fails with DeepSpeed 0.19.8 on "
+        "torch 2.13.",
         "- The formulas count model states only: the measured growth adds activations, the "
         "data, DDP's gradient buckets (another 4Ψ), DeepSpeed's flat partitions and "
         "buckets, FSDP's gathered unit, the allocator's free lists. fairscale's OSS alone "
