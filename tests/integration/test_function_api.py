@@ -6,13 +6,15 @@ import csv
 import os
 import signal
 import tempfile
+import threading
+import time
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from polytrain import train as polytrain_train
-from polytrain.errors import WorkerError
+from polytrain.errors import WorkerError, WorkerHangError
 from polytrain.train import (
     Checkpoint,
     CheckpointConfig,
@@ -41,6 +43,13 @@ ONE_PER_BACKEND = [
     ("fairscale-sddp", "fairscale", {"mode": "sddp"}, 1e-5),
     ("fsdp", "fsdp", None, 1e-5),
     ("deepspeed-zero2", "deepspeed", {"stage": 2}, 1e-5),
+]
+# The other configurations of those backends: make test-long runs them (long_matrix).
+OTHER_CONFIGS = [
+    ("fsdp-v1", "fsdp", {"version": 1}, 1e-5),
+    ("fairscale-oss", "fairscale", {"mode": "oss"}, 1e-5),
+    ("deepspeed-zero1", "deepspeed", {"stage": 1}, 1e-5),
+    ("deepspeed-zero3", "deepspeed", {"stage": 3}, 1e-4),
 ]
 
 
@@ -75,7 +84,10 @@ def _load_model(checkpoint: Checkpoint) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize(("backend", "backend_config", "tol"), _params(ONE_PER_BACKEND))
+@pytest.mark.parametrize(
+    ("backend", "backend_config", "tol"),
+    _params(ONE_PER_BACKEND + OTHER_CONFIGS, every_run={case[0] for case in ONE_PER_BACKEND}),
+)
 def test_same_loop_matches_one_process_on_every_backend(backend, backend_config, tol, tmp_path):
     result = TorchTrainer(
         parity_loop,
@@ -213,6 +225,102 @@ def test_sigkilled_worker_restarts_the_loop_from_the_last_checkpoint(tmp_path, n
     ).fit()
     assert list(again.metrics_dataframe["resumed_from"]) == [5]
     assert again.checkpoint.path.endswith("checkpoint_000005")
+
+
+def elastic_loop(config):
+    """Reports once with a checkpoint; on the first attempt rank 2 then dies (after the flag)."""
+    ctx = get_context()
+    resumed = get_checkpoint() is not None
+    with tempfile.TemporaryDirectory() as d:
+        torch.save(
+            {"world_size": ctx.get_world_size()}, os.path.join(d, f"rank{ctx.get_world_rank()}.pt")
+        )
+        report(
+            {"world_size": ctx.get_world_size(), "resumed": resumed},
+            checkpoint=Checkpoint.from_directory(d),
+        )
+    if resumed:
+        return
+    if ctx.get_world_rank() == 2:
+        while not os.path.exists(config["flag"]):
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)  # ranks 0 and 1 wait here until the lost rank stops the group
+
+
+def test_elastic_min_workers_restarts_the_loop_on_the_workers_that_fit(
+    ray_start_4_cpus, tmp_path, no_leftover_actors
+):
+    """ScalingConfig(min_workers=2): after a lost worker the loop goes on with 2 of 3 workers."""
+    ray = ray_start_4_cpus
+
+    @ray.remote(num_cpus=2)
+    class Hog:
+        def ready(self):
+            return True
+
+    flag, hogs = tmp_path / "hog_requested", []
+
+    def hog_after_the_first_checkpoint():
+        # 3 of 4 CPUs are the workers'; this 2-CPU demand waits and takes the CPU the lost
+        # worker frees, so the restarted group fits only 2 workers.
+        deadline = time.monotonic() + 300
+        while not list((tmp_path / "elastic").glob("checkpoint_*/COMMITTED")):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.1)
+        hogs.append(Hog.remote())
+        flag.write_text("requested")
+
+    thread = threading.Thread(target=hog_after_the_first_checkpoint, daemon=True)
+    thread.start()
+    try:
+        result = TorchTrainer(
+            elastic_loop,
+            train_loop_config={"flag": str(flag)},
+            scaling_config=ScalingConfig(num_workers=3, min_workers=2, start_timeout_s=20),
+            run_config=RunConfig(
+                storage_path=str(tmp_path),
+                name="elastic",
+                failure_config=FailureConfig(max_failures=2),
+            ),
+        ).fit()
+        thread.join(timeout=5)
+        assert hogs and ray.get(hogs[0].ready.remote(), timeout=60)
+    finally:
+        for hog in hogs:
+            ray.kill(hog)
+    frame = result.metrics_dataframe
+    assert list(frame["world_size"]) == [3, 2]
+    assert list(frame["resumed"]) == [False, True]
+    files = sorted(f for f in os.listdir(result.checkpoint.path) if f.endswith(".pt"))
+    assert files == ["rank0.pt", "rank1.pt"]  # the restarted group's two ranks
+
+
+def hanging_loop():
+    """Rank 1 stops reporting after its first report; rank 0 goes on and waits for it."""
+    report({"step": 0})
+    if get_context().get_world_rank() == 1:
+        threading.Event().wait()
+    report({"step": 1})
+    torch.distributed.barrier()
+
+
+def test_a_hung_loop_is_reported_with_the_stuck_rank(tmp_path, no_leftover_actors):
+    """FailureConfig(hang_timeout_s): no report for that long from a rank is a hang."""
+    start = time.monotonic()
+    with pytest.raises(WorkerHangError) as info:
+        TorchTrainer(
+            hanging_loop,
+            scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(
+                storage_path=str(tmp_path),
+                name="hang",
+                failure_config=FailureConfig(hang_timeout_s=5),
+            ),
+        ).fit()
+    assert time.monotonic() - start < 60
+    assert info.value.rank == 1 and "Stuck: rank 1" in str(info.value)
 
 
 def failing_loop():
