@@ -16,6 +16,7 @@ import torch
 from polytrain.backends.core import meta_init
 from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
+from polytrain.backends.core.strategy import TorchStrategy
 from polytrain.backends.fsdp import state_v1 as fsdp_state
 from polytrain.checkpoint.pieces import LocalState, ShardReader
 
@@ -242,3 +243,18 @@ def _param_map(names: dict[int, str], fsdp_model: torch.nn.Module) -> dict[int, 
     """
     by_name = {fsdp_state.clean_name(n): p for n, p in fsdp_model.named_parameters()}
     return {pid: by_name[name] for pid, name in names.items() if name in by_name}
+
+
+class ShardedTorchStrategy(TorchStrategy):
+    """The base of both FSDP versions' strategies: their ``states`` builds the models."""
+
+    states: ShardedStates
+
+    def build_models(
+        self, create: Callable[[], Sequence[Any]], ctx: WorkerContext
+    ) -> Sequence[Any]:
+        """Worker: with ``init_on_rank0``, the full model on rank 0 only (the others: meta)."""
+        full_everywhere = super().build_models
+        return self.states.build_models(
+            create, ctx, bool(self.config.init_on_rank0), lambda: full_everywhere(create, ctx)
+        )

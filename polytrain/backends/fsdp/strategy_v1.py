@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -13,15 +12,18 @@ from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.local_state import load_whole, replicated_local_state
 from polytrain.backends.core.precision import Precision, amp_dtype, default_precision
-from polytrain.backends.core.strategy import TorchStrategy
 from polytrain.backends.fsdp import state_v1 as fsdp_state
 from polytrain.backends.fsdp import wrap as fsdp_wrap
-from polytrain.backends.fsdp.common import ShardedStates, broadcast_from_rank0
+from polytrain.backends.fsdp.common import (
+    ShardedStates,
+    ShardedTorchStrategy,
+    broadcast_from_rank0,
+)
 from polytrain.backends.fsdp.config import FSDPConfig
 from polytrain.checkpoint.pieces import LocalState, ShardReader
 
 
-class FSDP1Strategy(TorchStrategy):
+class FSDP1Strategy(ShardedTorchStrategy):
     """Worker side of ``fsdp`` version 1: models wrapped in FSDP1, optimizers over their shards.
 
     In local mode (no process group) nothing is wrapped and the plain torch
@@ -90,15 +92,6 @@ class FSDP1Strategy(TorchStrategy):
         if weights is not None:
             self.states.load_rank0_weights(wrapped, weights, ctx)
         return wrapped
-
-    def build_models(
-        self, create: Callable[[], Sequence[Any]], ctx: WorkerContext
-    ) -> Sequence[Any]:
-        """Worker: with ``init_on_rank0``, the full model on rank 0 only (the others: meta)."""
-        full_everywhere = super().build_models
-        return self.states.build_models(
-            create, ctx, bool(self.config.init_on_rank0), lambda: full_everywhere(create, ctx)
-        )
 
     @staticmethod
     def _mixed_precision(ctx: WorkerContext) -> Any:

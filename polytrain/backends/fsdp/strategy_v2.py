@@ -25,7 +25,7 @@ Checkpoints share FSDP1's code by composition
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,7 +38,11 @@ from polytrain.backends.core.strategy import TorchStrategy
 from polytrain.backends.fsdp import state_v1 as fsdp_state
 from polytrain.backends.fsdp import state_v2 as fsdp2_state
 from polytrain.backends.fsdp import wrap as fsdp_wrap
-from polytrain.backends.fsdp.common import ShardedStates, broadcast_from_rank0
+from polytrain.backends.fsdp.common import (
+    ShardedStates,
+    ShardedTorchStrategy,
+    broadcast_from_rank0,
+)
 from polytrain.backends.fsdp.config import FSDPConfig
 from polytrain.checkpoint.pieces import LocalState, ShardReader
 from polytrain.errors import ConfigError
@@ -120,7 +124,7 @@ def wrap_units(model: torch.nn.Module, auto_wrap_policy: str, min_num_params: in
     return units
 
 
-class FSDP2Strategy(TorchStrategy):
+class FSDP2Strategy(ShardedTorchStrategy):
     """Worker side of ``fsdp`` version 2: trainable models sharded with ``fully_shard``.
 
     In local mode (no process group) nothing is sharded and the plain torch
@@ -174,15 +178,6 @@ class FSDP2Strategy(TorchStrategy):
         if weights is not None:
             self.states.load_rank0_weights(model, weights, ctx)
         return model
-
-    def build_models(
-        self, create: Callable[[], Sequence[Any]], ctx: WorkerContext
-    ) -> Sequence[Any]:
-        """Worker: with ``init_on_rank0``, the full model on rank 0 only (the others: meta)."""
-        full_everywhere = super().build_models
-        return self.states.build_models(
-            create, ctx, bool(self.config.init_on_rank0), lambda: full_everywhere(create, ctx)
-        )
 
     def _device_mesh(self, ctx: WorkerContext) -> Any:
         """The 1-D mesh over every rank on this worker's device type (the default group)."""
