@@ -419,7 +419,9 @@ def test_tensorflow_writes_the_same_layout_without_torch_and_resumes(tmp_path):
     pytest.importorskip("tf_keras")
     from examples import tf_digits
     from polytrain import TFTrainer
+    from polytrain.launchers.pool import warm_pool as pool
 
+    pool.POOL.clear(wait_s=5.0)  # fresh processes: the torch trainers before left theirs warm
     creators = {"model_creator": tf_digits.model_creator, "data_creator": tf_digits.data_creator}
     config = {"lr": 0.05, "batch_size": 64, "shuffle": False}
     folder = tmp_path / "tf"

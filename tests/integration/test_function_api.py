@@ -33,6 +33,9 @@ from tests.integration.test_backend_suite import _params
 
 pytestmark = pytest.mark.usefixtures("ray_start_4_cpus")
 
+# Every test starts with an empty warm pool: elastic restarts and Ray Data need the CPUs idle pooled workers would hold.
+KEEP_WARM_POOL = False
+
 STEPS = 6
 GLOBAL_BATCH = 32
 

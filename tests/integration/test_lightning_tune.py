@@ -25,6 +25,10 @@ with contextlib.suppress(ImportError):
     import tensorboardX  # noqa: F401
 
 
+# Every test starts with an empty warm pool: Tune's trial actors and placement groups need free CPUs.
+KEEP_WARM_POOL = False
+
+
 class FailOnceAtEpoch2(pl.Callback):
     """Rank 0 raises once, when epoch 2 starts: Tune must restore the trial from its checkpoint."""
 

@@ -23,6 +23,10 @@ from pathlib import Path
 
 import pytest
 
+# Every test starts with an empty warm pool: these tests compare placements with the pool on and off.
+KEEP_WARM_POOL = False
+
+
 SCRIPT = Path(__file__).with_name("pool_placement_script.py")
 CASES = [
     "SPREAD after PACK",

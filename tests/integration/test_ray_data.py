@@ -13,6 +13,9 @@ from polytrain.errors import ConfigError, ConfigTypeError, CreatorError, WorkerE
 
 pytestmark = pytest.mark.usefixtures("ray_start_4_cpus")
 
+# Every test starts with an empty warm pool: Ray Data's read tasks need the CPUs idle pooled workers would hold.
+KEEP_WARM_POOL = False
+
 CONFIG = {"lr": 0.3, "batch_size": 64}
 EPOCHS = 3
 

@@ -17,6 +17,9 @@ from polytrain.errors import ConfigError, ConfigTypeError, CreatorError
 
 pytestmark = pytest.mark.usefixtures("ray_start_4_cpus")
 
+# Every test starts with an empty warm pool: Ray Data's read tasks need the CPUs idle pooled workers would hold.
+KEEP_WARM_POOL = False
+
 # No shuffling on either path: the same rows in the same order.
 CONFIG = {"lr": 0.05, "batch_size": 64, "shuffle": False}
 EPOCHS = 3

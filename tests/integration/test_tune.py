@@ -18,6 +18,10 @@ from polytrain.backends.registry import available_backends  # noqa: E402
 from polytrain.errors import ConfigError  # noqa: E402
 from polytrain.tune import CHECKPOINT_FILE, tune_resources  # noqa: E402
 
+# Every test starts with an empty warm pool: Tune's trial actors and placement groups need free CPUs.
+KEEP_WARM_POOL = False
+
+
 GOOD_LR = 0.2
 # Far too small to learn anything in one epoch: ASHA must stop these at the first rung.
 BAD_LRS = [1e-3, 3e-4, 1e-4]

@@ -25,6 +25,10 @@ from tests.helpers import (
     parity_optimizer_creator,
 )
 
+# Every test starts with an empty warm pool: these tests count the pool's own groups and reuses.
+KEEP_WARM_POOL = False
+
+
 LEAK_VAR = "POLYTRAIN_TEST_LEAKED_VAR"
 
 

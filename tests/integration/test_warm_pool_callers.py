@@ -19,6 +19,10 @@ from polytrain.backends.registry import available_backends
 from polytrain.launchers.pool import warm_pool as pool
 from tests.helpers import parity_data_creator, parity_model_creator, parity_optimizer_creator
 
+# Every test starts with an empty warm pool: these tests count the pool's own groups and reuses.
+KEEP_WARM_POOL = False
+
+
 BACKEND_CONFIGS = {"deepspeed": {"stage": 2}, "fairscale": {"mode": "sddp"}}
 
 

@@ -24,6 +24,9 @@ from tests.integration.test_warm_pool import (  # noqa: F401 - empty_pool is an 
     empty_pool,
 )
 
+# Every test starts with an empty warm pool: these tests count the pool's own groups and reuses.
+KEEP_WARM_POOL = False
+
 
 def _world_size() -> int:
     import torch.distributed as dist
