@@ -25,6 +25,7 @@ from polytrain.lightning.launcher import RayLauncher  # noqa: E402
 from polytrain.lightning.legacy import (  # noqa: E402
     HorovodRayPlugin,
     RayDeepSpeedPlugin,
+    RayHorovodPlugin,
     RayPlugin,
     RayShardedPlugin,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "HorovodRayStrategy",
     "RayDeepSpeedPlugin",
     "RayDeepSpeedStrategy",
+    "RayHorovodPlugin",
     "RayHorovodStrategy",
     "RayLauncher",
     "RayPlugin",

@@ -9,6 +9,7 @@ from polytrain.errors import ConfigTypeError
 _REPLACEMENTS = {
     "RayPlugin": "RayStrategy",
     "HorovodRayPlugin": "RayHorovodStrategy",
+    "RayHorovodPlugin": "RayHorovodStrategy",
     "RayShardedPlugin": "RayShardedStrategy",
     "RayDeepSpeedPlugin": "RayDeepSpeedStrategy",
 }
@@ -39,6 +40,10 @@ class RayPlugin(_RemovedPlugin):
 
 class HorovodRayPlugin(_RemovedPlugin):
     """Lightning 1.x name; use ``Trainer(strategy=RayHorovodStrategy(...))``."""
+
+
+class RayHorovodPlugin(_RemovedPlugin):
+    """The other order of ``HorovodRayPlugin``; use ``Trainer(strategy=RayHorovodStrategy(...))``."""
 
 
 class RayShardedPlugin(_RemovedPlugin):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,27 +28,111 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} ({text})"
 
 
-def check_callable(name: str, fn: Any, num_args: int, required: bool = True) -> None:
-    """Raise a :class:`CreatorError` unless ``fn`` can be called with ``num_args`` positionals."""
+# What each creator is called with on the workers, config always last.
+_ARGUMENTS = {
+    "model_creator": ("config",),
+    "data_creator": ("config",),
+    "loss_creator": ("config",),
+    "optimizer_creator": ("model", "config"),
+    "scheduler_creator": ("optimizer", "config"),
+}
+
+
+def check_callable(
+    name: str, fn: Any, num_args: int, required: bool = True, expected: str | None = None
+) -> None:
+    """Raise a :class:`CreatorError` unless ``fn`` can be called with ``num_args`` positionals.
+
+    Also refused: a function whose last positional slot, where ``config`` goes, is a
+    parameter with a default that is not a dict (``resnet18(pretrained=False)``,
+    ``make_net(num_classes=10)``): called as ``fn(config)`` it would take the dict
+    for that parameter and fail far from the cause. The message shows the one-line
+    ``lambda`` that wraps it. ``expected`` is the signature the messages show
+    (default: the torch trainer's for ``name``).
+    """
+    expected = expected or _SIGNATURES.get(name, name)
     if fn is None:
         if required:
-            raise CreatorError(f"{name} is required: {_SIGNATURES.get(name, name)}.")
+            raise CreatorError(f"{name} is required: {expected}.")
         return
     if not callable(fn):
-        raise CreatorError(
-            f"{name} must be callable: {_SIGNATURES.get(name, name)}; got {_describe(fn)}."
-        )
+        raise CreatorError(f"{name} must be callable: {expected}; got {_describe(fn)}.")
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # builtins and C extensions: nothing to check before the call
+    arguments = _ARGUMENTS.get(name, (*(f"arg{i}" for i in range(num_args - 1)), "config"))
+    call = f"{name}({', '.join(arguments)})"
     try:
-        signature.bind(*([None] * num_args))
+        bound = signature.bind(*range(num_args))
     except TypeError as exc:
         raise CreatorError(
-            f"{name} {getattr(fn, '__qualname__', fn)!s}{signature} cannot be called with "
-            f"{num_args} argument(s) ({exc}). Expected {_SIGNATURES.get(name, name)}."
+            f"{name} {_qualname(fn)}{signature} cannot be called with {num_args} argument(s) "
+            f"({exc}): polytrain calls {call} on every worker. Wrap it in a one-line "
+            f"function, for example {name}={_wrapper(name, fn, signature, arguments)}. "
+            f"Expected {expected}."
         ) from None
+    slot = _config_parameter(signature, bound, num_args - 1)
+    if slot is not None:
+        raise CreatorError(
+            f"{name} {_qualname(fn)}{signature} would receive the config dict as its "
+            f"argument {slot.name!r} (default {slot.default!r}): polytrain calls {call} on "
+            f"every worker. Wrap it in a one-line function, for example "
+            f"{name}={_wrapper(name, fn, signature, arguments)}. "
+            f"Expected {expected}."
+        )
+
+
+def _qualname(fn: Any) -> str:
+    return str(getattr(fn, "__qualname__", fn))
+
+
+def _config_parameter(
+    signature: inspect.Signature, bound: inspect.BoundArguments, index: int
+) -> inspect.Parameter | None:
+    """The parameter that would take ``config`` when its default says it means something else."""
+    for name, value in bound.arguments.items():
+        parameter = signature.parameters[name]
+        if parameter.kind is parameter.VAR_POSITIONAL or value != index:
+            continue
+        return None if _may_take_config(parameter) else parameter
+    return None
+
+
+def _may_take_config(parameter: inspect.Parameter) -> bool:
+    # No default, None or a dict: how creators spell a (maybe optional) config.
+    default = parameter.default
+    return default is parameter.empty or default is None or isinstance(default, Mapping)
+
+
+def _wrapper(name: str, fn: Any, signature: inspect.Signature, arguments: tuple[str, ...]) -> str:
+    """``lambda <the creator's arguments>: fn(<those fn takes positionally>, <its own>)``.
+
+    ``config`` is passed on only when ``fn`` takes it positionally without a default.
+    """
+    fn_name = getattr(fn, "__name__", "")
+    if not fn_name.isidentifier():  # a lambda or a partial: only the arguments can be shown
+        body = "<its body>" if fn_name == "<lambda>" else "..."
+        return f"lambda {', '.join(arguments)}: {body}"
+    parameters = list(signature.parameters.values())
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    takes_varargs = any(p.kind is p.VAR_POSITIONAL for p in parameters)
+    count = len(arguments) if takes_varargs else min(len(arguments), len(positional))
+    if count == len(arguments) and count <= len(positional):
+        if not _may_take_config(positional[count - 1]):
+            count -= 1  # its last positional slot means something else: config stays out
+    passed = list(arguments[:count])
+    if name == "optimizer_creator" and inspect.isclass(fn):
+        # An optimizer class: it takes the parameters, not the module.
+        return f"lambda {', '.join(arguments)}: {fn_name}(model.parameters(), lr=config['lr'])"
+    rest = positional[count:] + [p for p in parameters if p.kind is p.KEYWORD_ONLY]
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in parameters)
+    if name == "model_creator" and ("num_classes" in signature.parameters or takes_kwargs):
+        # Model builders (torchvision's among them) take the class count as a keyword.
+        passed.append("num_classes=10")
+    elif rest or takes_kwargs:
+        passed.append("...")
+    return f"lambda {', '.join(arguments)}: {fn_name}({', '.join(passed)})"
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:

@@ -29,6 +29,9 @@ from polytrain.trainer_api.creators import _describe, check_callable
 _KEY = "tf_trainer"
 
 _DATA_SIGNATURE = "data_creator(config) -> tf.data.Dataset, or (train_dataset, val_dataset)"
+_MODEL_SIGNATURE = (
+    "model_creator(config) -> a compiled tf_keras model (built inside the strategy's scope)"
+)
 
 
 @dataclass
@@ -43,8 +46,8 @@ class TFCreators:
     data_creator: Callable[[dict], Any]
 
     def __post_init__(self) -> None:
-        check_callable("model_creator", self.model_creator, 1)
-        check_callable("data_creator", self.data_creator, 1)
+        check_callable("model_creator", self.model_creator, 1, expected=_MODEL_SIGNATURE)
+        check_callable("data_creator", self.data_creator, 1, expected=_DATA_SIGNATURE)
 
     def create_model(self, config: dict) -> Any:
         """Call ``model_creator`` (inside the strategy's scope) and check it built a compiled tf_keras model."""
