@@ -103,8 +103,8 @@ class WorkerGroup(abc.ABC):
         """
 
     @abc.abstractmethod
-    def monitor_single_async(self, rank: int, method: str) -> Any:
-        """Start a monitor method on one worker; return its handle."""
+    def monitor_single_async(self, rank: int, method: str, *args: Any) -> Any:
+        """Start a monitor method on one worker (with ``args``); return its handle."""
 
     @abc.abstractmethod
     def poll(self, ref: Any) -> tuple[bool, Any]:

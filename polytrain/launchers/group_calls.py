@@ -80,10 +80,10 @@ class GroupCalls:
                 results.append(exc)
         return results
 
-    def monitor_single_async(self, rank: int, method: str) -> Any:
-        """Start a monitor method on one worker; return its object ref."""
+    def monitor_single_async(self, rank: int, method: str, *args: Any) -> Any:
+        """Start a monitor method on one worker (with ``args``); return its object ref."""
         actor = self.actors[rank]
-        return getattr(actor, method).options(concurrency_group=MONITOR_GROUP).remote()
+        return getattr(actor, method).options(concurrency_group=MONITOR_GROUP).remote(*args)
 
     def poll(self, ref: Any) -> tuple[bool, Any]:
         """``(done, value)`` of an object ref without waiting; a failed call's value is ``None``."""

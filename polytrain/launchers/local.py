@@ -84,9 +84,9 @@ class LocalWorkerGroup(WorkerGroup):
         """Call a monitor method of the in-process worker."""
         return [getattr(self.worker, method)()]
 
-    def monitor_single_async(self, rank: int, method: str) -> Any:
+    def monitor_single_async(self, rank: int, method: str, *args: Any) -> Any:
         """Call a monitor method of the in-process worker; return a finished "ref"."""
-        return _Done(getattr(self.worker, method)())
+        return _Done(getattr(self.worker, method)(*args))
 
     def poll(self, ref: Any) -> tuple[bool, Any]:
         """Always ``(True, value)``: every call here finished when it was made."""

@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 #: Per-process state shared by the functions a worker executes (e.g. the operator).
 WORKER_STATE: dict[str, Any] = {}
 
+#: The :data:`WORKER_STATE` key of the function that answers :meth:`Worker.stop_request`.
+STOP_HANDLER = "stop_handler"
+
 _training_thread: int | None = None  # ident of the thread that runs ``execute``
 _progress_lock = threading.Lock()
 _progress: dict[str, Any] = {"phase": "idle", "step": 0, "total": None, "updated": time.time()}
@@ -250,6 +253,16 @@ class Worker:
     def stacks(self) -> str:
         """Every Python thread's stack: where a stuck worker is stuck."""
         return format_all_stacks()
+
+    def stop_request(self, request: Any) -> Any:
+        """Hand a request to stop the running call to its handler; None without one.
+
+        The function that runs the call installs the handler as
+        ``WORKER_STATE[STOP_HANDLER]``; it answers here, from the monitor thread,
+        while the training thread keeps running.
+        """
+        handler = WORKER_STATE.get(STOP_HANDLER)
+        return handler(request) if handler is not None else None
 
     def ping(self) -> int:
         """Liveness check; returns the pid."""

@@ -15,6 +15,7 @@ import abc
 import functools
 import logging
 import os
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -44,6 +45,14 @@ from polytrain.trainer_api.policies import (
     HangWatchdog,
     ProgressReporter,
     ScalingPolicy,
+)
+from polytrain.trainer_api.policies.drain import (
+    DrainDecision,
+    DrainWatch,
+    agree_on_stop,
+    ask_workers,
+    placeable_off_draining,
+    preemption_limit,
 )
 from polytrain.trainer_api.policies.preemption import TerminationWatch
 from polytrain.trainer_api.tracking import TrainerLoggers
@@ -112,6 +121,9 @@ class BaseTrainer(abc.ABC):
     #: The framework's worker-side checkpoint module (``load_dir(url) -> dict``), or None:
     #: the trainer cannot read checkpoint directories.
     checkpoint_worker_module: ClassVar[Any] = None
+    #: Whether a running training call can stop after an agreed batch: then a draining
+    #: node of the group is left at a step boundary (docs/failures.md, "Drained nodes").
+    stops_at_steps: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -165,7 +177,7 @@ class BaseTrainer(abc.ABC):
         self._retries_requested = False
         self._group_size = self.scaling.num_workers
         self.failure_policy = FailurePolicy(self.failure.max_retries)
-        self.scaling_policy = ScalingPolicy(self.scaling)
+        self.scaling_policy = self._watch_drains()
         self.checkpoint_manager = CheckpointManager(self.checkpoint, keep_latest=self._keeps_state)
         # Mid-epoch checkpoints (torch trainers; TFTrainer's calls are whole epochs).
         self._step_plan = StepCheckpointPlan(self.checkpoint.every_n_steps, self.checkpoint.every_s)
@@ -208,6 +220,11 @@ class BaseTrainer(abc.ABC):
     def num_restarts(self) -> int:
         """Restarts of the worker group after lost or hung workers so far."""
         return self.failure_policy.num_restarts
+
+    @property
+    def num_preemptions(self) -> int:
+        """Drained nodes the group moved off so far (not counted in :attr:`num_restarts`)."""
+        return self._preemptions
 
     @functools.cached_property
     def preemption(self) -> TerminationWatch:
@@ -274,6 +291,8 @@ class BaseTrainer(abc.ABC):
             _shutdown_group(rendezvous, group)
             raise
         self._group, self._rendezvous = group, rendezvous
+        self.drain_watch.watch(group.metadata)
+        self._drain = None  # Ray places nothing on a draining node: the new group is clear of it
         # Release the actors even if the user never calls shutdown().
         self._finalizer = weakref.finalize(self, _shutdown_group, rendezvous, group)
         self.checkpoints.resume_if_requested()  # CheckpointConfig(resume=True): once, at the first start
@@ -316,6 +335,8 @@ class BaseTrainer(abc.ABC):
             else None
         )
         pollers = [p.poll for p in (bar, watchdog) if p is not None] + self._poll_hooks()
+        if self.drain_watch.enabled:
+            pollers.append(self._poll_drains)
 
         def on_poll() -> None:
             for poll in pollers:
@@ -330,6 +351,8 @@ class BaseTrainer(abc.ABC):
                 bar.close()
             self._teardown_group()
             raise
+        finally:
+            self._stoppable = None
         if bar:
             bar.close(results[0] if isinstance(results[0], dict) else None)
         return results
@@ -409,8 +432,14 @@ class BaseTrainer(abc.ABC):
             self.epoch, self._epoch_step = point.epoch, point.epoch_step
 
     def _begin_call(self, max_retries: int | None = None) -> None:
-        """Before a training call: note a per-call retry wish; at an epoch start, grow a shrunk group back."""
+        """Before a training call: note a per-call retry wish; at an epoch start, grow a shrunk group back.
+
+        A node of the group that started draining since the last call is left first.
+        """
         self._ensure_open()
+        if self.drain_watch.enabled:
+            self._poll_drains(force=True)
+            self._leave_draining_nodes()
         if max_retries is not None:
             check_int("max_retries", max_retries, 0)
             if max_retries > 0 and not self._keeps_state:
@@ -467,6 +496,113 @@ class BaseTrainer(abc.ABC):
             checkpoint_path=path,
             signal_number=self.preemption.received or 15,
         )
+
+    # ------------------------------------------------------- drained nodes
+    def _watch_drains(self) -> ScalingPolicy:
+        """Set up the drain watch; returns the scaling policy, which sizes groups without draining nodes."""
+        #: Ray's draining nodes, read while training calls run (see :meth:`_poll_drains`).
+        self.drain_watch = DrainWatch(enabled=self.stops_at_steps and not self.scaling.local_mode)
+        self._drain: DrainDecision | None = None  # a drain seen and not acted on yet
+        self._stoppable: tuple[int, int] | None = None  # (call id, batches per step) running
+        self._calls = 0
+        self._preemptions = 0
+        # A partial of the watch, not a method of self: the policy keeps no cycle to the trainer.
+        return ScalingPolicy(
+            self.scaling,
+            placeable=functools.partial(placeable_off_draining, self.scaling, self.drain_watch),
+        )
+
+    def _open_stoppable_call(self, batches_per_step: int = 1) -> int | None:
+        """Number the training call about to run, which a drain may stop after a step; None: not watched."""
+        if not self.drain_watch.enabled:
+            return None
+        self._calls += 1
+        self._stoppable = (self._calls, batches_per_step)
+        return self._calls
+
+    def _poll_drains(self, force: bool = False) -> None:
+        """Poll hook: note a drain of the group's nodes; have a running training call stop at a step."""
+        decision = self.drain_watch.poll(force=force)
+        if decision is not None:
+            logger.warning(
+                "%s: the workers (rank%s %s) finish their current step, checkpoint there and "
+                "the group continues without the node.",
+                decision.describe(),
+                "s" if len(decision.ranks) > 1 else "",
+                ", ".join(map(str, decision.ranks)),
+            )
+            nodes = (self._drain.nodes if self._drain else ()) + decision.nodes
+            self._drain = DrainDecision(nodes, decision.reason)
+        if self._drain is None or self._stoppable is None or self._group is None:
+            return
+        (call_id, unit), self._stoppable = self._stoppable, None  # one agreement per call
+        group = self._group
+        target = agree_on_stop(lambda req: ask_workers(group, {**req, "call": call_id}), unit)
+        if target is None:
+            logger.warning(
+                "The workers did not agree on a step to stop at; the call runs to its end, "
+                "then the group moves off the draining node."
+            )
+        else:
+            logger.info("Every worker stops after batch %d of the running call.", target)
+
+    def _leave_draining_nodes(self) -> None:
+        """At a step boundary after a drain: checkpoint here, count the preemption, restart off the node.
+
+        The restarted group has as many workers as fit elsewhere (elastic
+        ``min_workers``), else waits for room (an autoscaler's replacement node) as
+        any restart does; it resumes at this very batch.
+
+        Raises:
+            PreemptedError: more drains than ``failure_config.max_preemptions``; the
+                trainer is shut down after the checkpoint.
+        """
+        decision, self._drain = self._drain, None
+        if decision is None or self._group is None:
+            return
+        self._preemptions += 1
+        limit = self.failure.max_preemptions
+        path = self._checkpoint_for_drain()
+        left = decision.seconds_left()
+        where = f"epoch {self.epoch}, batch {self._epoch_step}"
+        logger.warning(
+            "Preemption %d (failure_config max_preemptions=%s) of node %s: checkpoint %s holds "
+            "%s (%s).",
+            self._preemptions,
+            preemption_limit(limit),
+            ", ".join(decision.node_ids),
+            path or "(kept by the driver)",
+            where,
+            "no deadline" if left is None else f"{left:.0f} s before the deadline",
+        )
+        if limit is not None and self._preemptions > limit:
+            self.shutdown()
+            raise PreemptedError(
+                f"{decision.describe()}; that is preemption {self._preemptions}, more than "
+                f"failure_config max_preemptions={limit}. Checkpoint {path} holds {where}: resume "
+                f"from it (resume=True) or raise max_preemptions.",
+                checkpoint_path=path,
+            )
+        self._teardown_group(force=True)  # not to the warm pool: those on the node would return
+        try:
+            self._restart()
+        except BaseException:
+            self._shut_down = True
+            raise
+        logger.warning(
+            "Continuing at %s on %d worker(s) off the drained node(s).", where, self._group_size
+        )
+
+    def _checkpoint_for_drain(self) -> str | None:
+        """A checkpoint at the current position as the recovery point; its path (None: held by the driver)."""
+        start = time.perf_counter()
+        path = (
+            self.checkpoints.checkpoint_here() if self.checkpoints.workers_see_directory() else None
+        )
+        if path is None:  # workers on other nodes without shared storage: through the driver
+            self.recovery.remember_state(self.state_dict())
+        logger.info("Checkpoint at the drain written in %.1f s.", time.perf_counter() - start)
+        return path
 
     # ----------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

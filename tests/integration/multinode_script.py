@@ -14,14 +14,17 @@ Per backend (one registry test case each; those not installed are "skipped"): th
 workers' node IPs and ids, rank environment, rendezvous addresses, interface
 variables, and the largest parameter difference from the single-process run
 (``tests.helpers.plain_reference``; for mwms a one-worker local-mode TFTrainer).
-Then a worker node is removed mid-epoch, gracefully (horovod) and by SIGKILL
-(ddp), with ``max_retries=1``. Everything is written to OUT.json, errors included
-(as text), so the tests can name what failed.
+Then a worker node is drained mid-epoch (a preemption announced through the GCS
+call of ``ray drain-node``; ``--drain-only`` runs only this case), and removed
+mid-epoch, gracefully (horovod) and by SIGKILL (ddp), with ``max_retries=1``.
+Everything is written to OUT.json, errors included (as text), so the tests can
+name what failed.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
@@ -98,6 +101,50 @@ def _slow_operator_cls():
     return MarkMidEpoch
 
 
+def _drain_operator_cls():
+    from polytrain import TrainingOperator
+
+    class LogBatches(TrainingOperator):
+        """Rank 0 logs every batch it trains; rank 1 (on the node to drain) marks batch 3 of epoch 0."""
+
+        def train_batch(self, batch, batch_info):
+            epoch, index = batch_info["epoch_idx"], batch_info["batch_idx"]
+            if epoch == 0:
+                time.sleep(0.2)  # the drain lands inside the epoch
+            if self.world_rank == 0:
+                with open(self.config["batch_log"], "a") as log:
+                    log.write(f"{epoch} {index} {self.world_size}\n")
+            marker = self.config["marker"]
+            if (epoch, index, self.world_rank) == (0, 3, 1) and not os.path.exists(marker):
+                Path(marker).write_text(str(os.getpid()))
+            return super().train_batch(batch, batch_info)
+
+    return LogBatches
+
+
+def drain_node(node_id: str, deadline_s: int, message: str) -> tuple[bool, str]:
+    """Announce a preemption of ``node_id`` as ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`` does."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
+    return gcs.drain_node(
+        node_id,
+        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        message,
+        time.time_ns() // 1_000_000 + deadline_s * 1000,
+    )
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 # ------------------------------------------------------------------ the driver
 def _torch_trainer(backend: str, backend_config, num_workers: int, **extra):
     import torch
@@ -106,6 +153,9 @@ def _torch_trainer(backend: str, backend_config, num_workers: int, **extra):
     from tests.helpers import parity_data_creator, parity_model_creator, parity_optimizer_creator
 
     config = {"lr": 0.1, "batch_size": 32, **extra.pop("config", {})}
+    scaling = extra.pop(
+        "scaling_config", {"num_workers": num_workers, "placement_strategy": "SPREAD"}
+    )
     return TorchTrainer(
         model_creator=parity_model_creator,
         data_creator=parity_data_creator,
@@ -114,7 +164,7 @@ def _torch_trainer(backend: str, backend_config, num_workers: int, **extra):
         config=config,
         backend=backend,
         backend_config=backend_config,
-        scaling_config={"num_workers": num_workers, "placement_strategy": "SPREAD"},
+        scaling_config=scaling,
         **extra,
     )
 
@@ -235,6 +285,72 @@ def check_node_loss(
     }
 
 
+def check_drain(cluster, nodes: dict, tmp: Path) -> dict:
+    """Drain the node of rank 1 mid-epoch 0 of 2 (elastic, ``max_retries=0``); training must move off it."""
+    import ray
+
+    marker, batch_log = tmp / "drain-marker", tmp / "drain-batches.txt"
+    handler = _Lines()
+    logging.getLogger("polytrain").addHandler(handler)
+    logging.getLogger("polytrain").setLevel(logging.INFO)
+    trainer = _torch_trainer(
+        "ddp",
+        None,
+        2,
+        scaling_config={
+            "num_workers": 2,
+            "min_workers": 1,
+            "num_cpus_per_worker": 2,  # one worker per node: the node left holds one
+            "placement_strategy": "SPREAD",
+        },
+        config={"marker": str(marker), "batch_log": str(batch_log)},
+        training_operator_cls=_drain_operator_cls(),
+        failure_config={"max_retries": 0},
+        checkpoint_config={"checkpoint_dir": str(tmp / "drain-ckpt"), "every_n_steps": 10},
+    )
+    drained: dict = {}
+    try:
+        before = trainer.apply_all_workers(worker_facts)
+        victim, victim_ip = before[1]["node_id"], before[1]["node_ip"]
+
+        def drain_when_marked() -> None:
+            while not marker.exists():
+                time.sleep(0.02)
+            drained["accepted"] = list(drain_node(victim, 60, "polytrain drain test"))
+            drained["at"] = time.monotonic()
+
+        drainer = threading.Thread(target=drain_when_marked, daemon=True)
+        drainer.start()
+        stats = [trainer.train(), trainer.train()]
+        drainer.join(30)
+        after = trainer.apply_all_workers(worker_facts)
+        model = trainer.get_model()
+        counts = {"preemptions": trainer.num_preemptions, "restarts": trainer.num_restarts}
+    finally:
+        trainer.shutdown()
+        logging.getLogger("polytrain").removeHandler(handler)
+        if "at" in drained:  # a drained node stays draining: replace it
+            cluster.remove_node(nodes[victim_ip])
+            nodes[victim_ip] = cluster.add_node(num_cpus=2, node_ip_address=victim_ip)
+            cluster.wait_for_nodes()
+    from tests.helpers import max_param_diff, plain_reference
+
+    return {
+        "victim": victim,
+        "drained": drained,
+        "before": before,
+        "after": after,
+        "draining_now": sorted(ray._private.state.state.get_draining_nodes()),
+        **counts,
+        "epochs": [s.get("epoch") for s in stats],
+        "num_steps": [s.get("num_steps") for s in stats],
+        "num_workers": [s.get("num_workers") for s in stats],
+        "batches": [line.split() for line in batch_log.read_text().splitlines()],
+        "log": handler.lines,
+        "max_diff": max_param_diff(model, plain_reference(2 * STEPS_PER_EPOCH, 32)),
+    }
+
+
 def _guarded(fn, *args) -> dict:
     start = time.monotonic()
     try:
@@ -262,7 +378,9 @@ def start_cluster():
     return cluster, nodes
 
 
-def main(out_path: str, wanted: list[str], no_node_loss: bool = False) -> None:
+def main(
+    out_path: str, wanted: list[str], no_node_loss: bool = False, drain_only: bool = False
+) -> None:
     import ray
 
     from polytrain.backends.registry import get_spec
@@ -277,7 +395,7 @@ def main(out_path: str, wanted: list[str], no_node_loss: bool = False) -> None:
         result["nodes"] = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
         result["cluster_cpus"] = ray.cluster_resources().get("CPU")
         backends: dict = {}
-        for name in wanted:
+        for name in [] if drain_only else wanted:
             if not get_spec(name).installed:
                 backends[name] = {"status": "skipped", "reason": f"{name} is not installed"}
             elif name == "mwms":
@@ -285,8 +403,9 @@ def main(out_path: str, wanted: list[str], no_node_loss: bool = False) -> None:
             else:
                 backends[name] = _guarded(check_torch_backend, name)
         result["backends"] = backends
+        result["drain"] = _guarded(check_drain, cluster, nodes, tmp)
         result["node_loss"] = {}
-        losses = [] if no_node_loss else [("horovod", True), ("ddp", False)]
+        losses = [] if no_node_loss or drain_only else [("horovod", True), ("ddp", False)]
         for i, (backend, graceful) in enumerate(losses):
             kind = "graceful" if graceful else "hard"
             if backend not in wanted or not get_spec(backend).installed:
@@ -305,6 +424,11 @@ def main(out_path: str, wanted: list[str], no_node_loss: bool = False) -> None:
 if __name__ == "__main__":
     flags = [a for a in sys.argv[2:] if a.startswith("--")]
     names = [a for a in sys.argv[2:] if not a.startswith("--")]
-    main(sys.argv[1], names or [*TORCH_BACKENDS, "mwms"], no_node_loss="--no-node-loss" in flags)
+    main(
+        sys.argv[1],
+        names or [*TORCH_BACKENDS, "mwms"],
+        no_node_loss="--no-node-loss" in flags,
+        drain_only="--drain-only" in flags,
+    )
     sys.stdout.flush()
     os._exit(0)

@@ -12,8 +12,11 @@ Per backend: workers on both worker nodes (SPREAD), world / local / node ranks,
 rendezvous addresses that are the workers' node IPs (MASTER_ADDR, Horovod's
 rendezvous and host names, TF_CONFIG), the interface gloo binds to, and the same
 weights as one process training on the same global batches. Then a worker node is
-removed mid-epoch, gracefully (horovod) and by SIGKILL (ddp), and training goes on
-after one restart with the same weights as an uninterrupted run.
+drained mid-epoch (a preemption with a deadline): the group stops after an agreed
+step, checkpoints there and goes on, elastic, on the node left, losing no step and
+using none of ``max_retries``. Then a worker node is removed mid-epoch, gracefully
+(horovod) and by SIGKILL (ddp), and training goes on after one restart with the same
+weights as an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -36,8 +39,7 @@ BACKENDS = ["ddp", "horovod", "fairscale", "fsdp", "deepspeed", "mwms"]
 TORCH_DIST = {"ddp", "fairscale", "fsdp", "deepspeed"}  # one torch.distributed process group
 
 
-@pytest.fixture(scope="module")
-def multinode(tmp_path_factory):
+def _run_script(tmp_path_factory, *args: str) -> dict:
     tmp = tmp_path_factory.mktemp("multinode")
     # Ray's socket paths live under RAY_TMPDIR and must stay below 108 bytes: a short dir.
     ray_tmp = tempfile.mkdtemp(prefix="ptmn", dir="/tmp")
@@ -48,7 +50,7 @@ def multinode(tmp_path_factory):
     out = tmp / "result.json"
     try:
         proc = subprocess.run(
-            [sys.executable, str(SCRIPT), str(out), *BACKENDS],
+            [sys.executable, str(SCRIPT), str(out), *args],
             env=env,
             capture_output=True,
             text=True,
@@ -58,6 +60,24 @@ def multinode(tmp_path_factory):
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert out.exists(), f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def multinode(tmp_path_factory):
+    return _run_script(tmp_path_factory, *BACKENDS)
+
+
+@pytest.fixture(scope="module")
+def drained(request, tmp_path_factory):
+    """The drain case: from the full run when other tests here need it, else on its own."""
+    others = [
+        item
+        for item in request.session.items
+        if "multinode" in getattr(item, "fixturenames", ()) and item.module is request.module
+    ]
+    if others:
+        return request.getfixturevalue("multinode")["drain"]
+    return _run_script(tmp_path_factory, "ddp", "--drain-only")["drain"]
 
 
 def _backend(multinode: dict, name: str) -> dict:
@@ -175,3 +195,34 @@ def test_node_removed_mid_epoch_is_survived(multinode, kind):
     assert result["epochs"] == [0, 1, 2]
     # the interrupted epoch was re-run from the last epoch end: same weights as no failure
     assert result["max_diff"] <= 1e-5, result["max_diff"]
+
+
+def test_a_drained_node_is_left_at_a_step_with_no_step_lost(drained):
+    assert drained["status"] == "ok", drained.get("error")
+    assert drained["drained"]["accepted"][0] is True  # the GCS took the drain request
+    victim = drained["victim"]
+    before = {w["node_id"] for w in drained["before"]}
+    assert victim in before and len(before) == 2
+    # the group went on, elastic, on the node left; the drained node got no worker
+    assert {w["node_id"] for w in drained["after"]} == before - {victim}
+    assert drained["num_workers"] == [1, 1]
+    # a preemption, counted apart: max_retries=0 survived it
+    assert drained["preemptions"] == 1 and drained["restarts"] == 0
+    assert drained["epochs"] == [0, 1] and drained["num_steps"] == [16, 16]
+    # every batch of both epochs trained exactly once, the stop mid-epoch 0
+    batches = [(int(e), int(b), int(w)) for e, b, w in drained["batches"]]
+    assert [(e, b) for e, b, _ in batches] == [(e, b) for e in (0, 1) for b in range(16)]
+    stop = next(i for i, (_, _, w) in enumerate(batches) if w == 1)
+    assert 4 <= stop < 16 and all(w == 2 for _, _, w in batches[:stop])
+    # the same weights as one process on the same global batches: none lost or repeated
+    assert drained["max_diff"] <= 1e-5, drained["max_diff"]
+    lines = drained["log"]
+    ip = next(w["node_ip"] for w in drained["before"] if w["node_id"] == victim)
+    assert any(
+        line.startswith(f"Node {victim} ({ip}) is draining (preemption, deadline in ")
+        for line in lines
+    ), lines
+    assert any(
+        line.startswith("Preemption 1 (failure_config max_preemptions=unlimited)") for line in lines
+    ), lines
+    assert drained["seconds"] < 60

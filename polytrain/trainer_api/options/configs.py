@@ -61,15 +61,23 @@ class FailureConfig:
             :class:`~polytrain.errors.CheckpointError`; until then training continues with a
             warning and a ``checkpoint_error`` metric, and the previous checkpoint stays
             the one to resume from. 1 stops at the first failed write.
+        max_preemptions: drained nodes (a preemption announced by Ray: the group stops
+            at a step, checkpoints there and moves off the node, see docs/failures.md)
+            the trainer survives, counted apart from ``max_retries``; one more shuts it
+            down with :class:`~polytrain.errors.PreemptedError` after the checkpoint.
+            None (the default): unlimited, like Ray Train's ``max_preemption_failures``.
     """
 
     max_retries: int = 3
     hang_timeout_s: float | None = None
     collective_timeout_s: float = 1800.0
     max_checkpoint_failures: int = 3
+    max_preemptions: int | None = None
 
     def __post_init__(self) -> None:
         check_int("max_retries", self.max_retries, 0)
+        if self.max_preemptions is not None:
+            check_int("max_preemptions", self.max_preemptions, 0)
         check_number("hang_timeout_s", self.hang_timeout_s, 0, allow_none=True)
         check_number("collective_timeout_s", self.collective_timeout_s, 1)
         check_int("max_checkpoint_failures", self.max_checkpoint_failures, 1)

@@ -19,7 +19,7 @@ from polytrain.checkpoint.directory import SaveRequest
 from polytrain.errors import CheckpointError, ConfigError
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.ranks import split_batch_size
-from polytrain.trainer_api.checkpointing.step_plans import train_in_chunks
+from polytrain.trainer_api.checkpointing.step_plans import combine_call_stats, train_in_chunks
 from polytrain.trainer_api.creators import TorchCreators
 from polytrain.trainer_api.data import ray_data
 from polytrain.trainer_api.options.configs import (
@@ -111,6 +111,7 @@ class TorchTrainer(BaseTrainer):
 
     framework = "torch"
     checkpoint_worker_module = torch_worker
+    stops_at_steps = True
 
     def __init__(
         self,
@@ -303,6 +304,36 @@ class TorchTrainer(BaseTrainer):
         max_retries: int | None,
         checkpoint_due: bool,
     ) -> tuple[dict[str, Any], list[dict[str, Any]], bool, bool]:
+        """``num_steps`` of training: ``(stats, per-worker results, wrote a checkpoint, epoch ended)``.
+
+        One worker call, unless a node of the group drains during it: then the call
+        stops after an agreed step, the group moves off the node from a checkpoint
+        there (:meth:`_leave_draining_nodes`) and the rest of the steps run on it.
+        """
+        parts, left = [], num_steps
+        while True:
+            piece = self._train_piece(left, info, profile, end_epoch, max_retries, checkpoint_due)
+            stats, results, wrote, epoch_done = piece
+            parts.append(stats)
+            if self._drain is None:
+                break
+            self._leave_draining_nodes()
+            if left is not None:
+                left -= int(stats.get("num_steps", 0) or 0)
+            if epoch_done or (left is not None and left <= 0):
+                wrote = True  # the checkpoint at the drain is where this call ends
+                break
+        return combine_call_stats(parts), results, wrote, epoch_done
+
+    def _train_piece(
+        self,
+        num_steps: int | None,
+        info: dict[str, Any] | None,
+        profile: bool,
+        end_epoch: bool,
+        max_retries: int | None,
+        checkpoint_due: bool,
+    ) -> tuple[dict[str, Any], list[dict[str, Any]], bool, bool]:
         """One worker call: ``(stats, per-worker results, wrote a checkpoint, epoch ended)``."""
         start = time.perf_counter()
         results = self._run(
@@ -348,7 +379,15 @@ class TorchTrainer(BaseTrainer):
                 }
                 capture = torch_worker.StateCapture(envelope, None)
         return torch_worker.TrainCall(
-            self.epoch, self._epoch_step, num_steps, info, profile, capture, bool(end_epoch), mid
+            self.epoch,
+            self._epoch_step,
+            num_steps,
+            info,
+            profile,
+            capture,
+            bool(end_epoch),
+            mid,
+            self._open_stoppable_call(self.step.gradient_accumulation_steps),
         )
 
     def _reduce(self, results: list[dict[str, Any]], start: float) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from polytrain.trainer_api.data.cursor import DataCursor
 from polytrain.trainer_api.data.loaders import add_distributed_sampler
 from polytrain.trainer_api.profiling import PhaseTimer
 from polytrain.trainer_api.torch import checkpoint as checkpoint_torch
+from polytrain.trainer_api.torch import stopping
 from polytrain.trainer_api.torch.operator import TrainingOperator
 
 _KEY = "torch_trainer"
@@ -78,6 +79,7 @@ def setup_worker(setup: WorkerSetup, rank_info: Any, device_index: int) -> int:
         _check_default_step_fits(operator)
     WORKER_STATE[_KEY] = operator
     WORKER_STATE[_CURSOR] = DataCursor(operator.train_loader)
+    stopping.gate()  # answers the driver's stop requests from now on, even before a call
     return _count_batches(components.train_loader, ctx, setup.config)
 
 
@@ -211,6 +213,8 @@ class TrainCall:
         end_epoch: end the epoch after this call even if the loader is not exhausted.
         capture_mid: a mid-epoch checkpoint directory to write if this call stops
             inside the epoch at the position the driver expects (``extra["epoch_step"]``).
+        call_id: the driver's number for the call, which its requests to stop early name
+            (:mod:`polytrain.trainer_api.torch.stopping`); None: it will not ask.
     """
 
     epoch: int
@@ -221,6 +225,7 @@ class TrainCall:
     capture: StateCapture | SaveRequest | None = None
     end_epoch: bool = False
     capture_mid: SaveRequest | None = None
+    call_id: int | None = None
 
 
 def _seek(operator: TrainingOperator, cursor: DataCursor, call: TrainCall) -> None:
@@ -271,7 +276,14 @@ def train_epoch(call: TrainCall) -> dict[str, Any]:
         k = operator.context.step.gradient_accumulation_steps
         batches = call.num_steps * k if call.num_steps is not None else None
         iterator = cursor.take(batches, operator.timer, call.end_epoch)
-        stats = operator.train_epoch(iterator, info)
+        if call.call_id is not None:  # the driver may stop the call at an agreed batch
+            iterator = stopping.GatedSteps(iterator, stopping.gate())
+            iterator.gate.begin(call.call_id)
+        try:
+            stats = operator.train_epoch(iterator, info)
+        finally:
+            if call.call_id is not None:
+                iterator.gate.end()
     elapsed = time.perf_counter() - start
     untouched = cursor.position == first and not cursor.exhausted
     # Untouched: the operator iterated the loader itself, not the iterator it was

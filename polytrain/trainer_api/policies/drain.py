@@ -1,0 +1,305 @@
+"""Drained nodes: a node that hosts workers is about to go; stop at a step, checkpoint, move.
+
+A cloud preemption or an autoscaler's scale-down announces itself in Ray as a
+*drain*: the node is marked draining, optionally with a deadline after which it is
+killed (``ray drain-node``; autoscaler v2 makes the same GCS call), and Ray schedules
+nothing new on it. :class:`DrainWatch` polls Ray's draining nodes (at most once a
+second, from the trainer's poll hook) and turns a drain of a node that hosts workers
+of the group into a :class:`DrainDecision`: data the trainer loop acts on.
+
+The loop then has every worker stop after the *same* step inside the running call
+(the ranks run collectives together): :func:`agree_on_stop` settles that step
+through the workers' monitor channel, the group checkpoints there (the data
+position and random states) and restarts off the draining node from that checkpoint:
+no step is lost. Everything here is a pure decision or takes its Ray calls injected,
+so it is tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from polytrain.launchers.base import WorkerGroup
+from polytrain.launchers.factory import placeable_workers
+from polytrain.launchers.scaling import ScalingConfig
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between two looks at Ray's draining nodes.
+POLL_INTERVAL_S = 1.0
+
+#: Why a node drains, as far as Ray tells. Ray 2.60 reports draining nodes with their
+#: deadline only; a node running work is drained for preemption (the raylet refuses an
+#: idle-termination drain of a busy node), so that is the reason of any drain seen here.
+PREEMPTION = "preemption"
+
+#: Rounds of :func:`agree_on_stop` before it gives up (each is one monitor round trip).
+MAX_ROUNDS = 20
+
+
+@dataclass(frozen=True)
+class DrainingNode:
+    """A draining node that hosts workers of the group.
+
+    Attributes:
+        node_id: Ray's node id (hex).
+        node_ip: the node's IP address.
+        ranks: world ranks of the group's workers on it.
+        deadline_ms: when the node will be killed (Unix ms), None: no deadline announced.
+    """
+
+    node_id: str
+    node_ip: str
+    ranks: tuple[int, ...]
+    deadline_ms: int | None
+
+    def seconds_left(self, now_s: float | None = None) -> float | None:
+        """Seconds until the deadline (negative once past); None without a deadline."""
+        if self.deadline_ms is None:
+            return None
+        return self.deadline_ms / 1000.0 - (time.time() if now_s is None else now_s)
+
+    def describe(self, reason: str, now_s: float | None = None) -> str:
+        """``Node <id> (<ip>) is draining (<reason>, deadline in <s> s)``."""
+        left = self.seconds_left(now_s)
+        if left is None:
+            deadline = "no deadline"
+        else:
+            deadline = f"deadline in {left:.0f} s" if left >= 0 else "deadline passed"
+        return f"Node {self.node_id} ({self.node_ip}) is draining ({reason}, {deadline})"
+
+
+@dataclass(frozen=True)
+class DrainDecision:
+    """Nodes of the group that started draining: stop at a step boundary and move off them.
+
+    Attributes:
+        nodes: the draining nodes that host workers, earliest deadline first.
+        reason: why they drain (:data:`PREEMPTION`).
+    """
+
+    nodes: tuple[DrainingNode, ...]
+    reason: str = PREEMPTION
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        """The draining nodes' ids."""
+        return tuple(node.node_id for node in self.nodes)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank on a draining node."""
+        return tuple(sorted(r for node in self.nodes for r in node.ranks))
+
+    def seconds_left(self, now_s: float | None = None) -> float | None:
+        """Seconds until the earliest deadline; None if no node announced one."""
+        left = [s for s in (n.seconds_left(now_s) for n in self.nodes) if s is not None]
+        return min(left) if left else None
+
+    def describe(self, now_s: float | None = None) -> str:
+        """One line per node: which node, why, and the deadline."""
+        return "; ".join(node.describe(self.reason, now_s) for node in self.nodes)
+
+
+def ray_draining_nodes() -> dict[str, int]:
+    """Ray's draining nodes: ``{node_id_hex: deadline_ms}`` (0: no deadline)."""
+    import ray
+
+    return dict(ray._private.state.state.get_draining_nodes() or {})
+
+
+class DrainWatch:
+    """Watches Ray's draining nodes for those that host workers of the current group.
+
+    Call :meth:`watch` with the group's worker placements after every start, and
+    :meth:`poll` as often as convenient (it looks at most every ``interval_s``).
+
+    Args:
+        enabled: False makes :meth:`poll` a no-op (local mode: there is no cluster).
+        draining: returns ``{node_id_hex: deadline_ms}`` (0: no deadline); default:
+            :func:`ray_draining_nodes`.
+        interval_s: the least time between two looks.
+        clock: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        draining: Callable[[], Mapping[str, int]] | None = None,
+        interval_s: float = POLL_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.enabled = enabled
+        self._draining = draining or ray_draining_nodes
+        self._interval_s = interval_s
+        self._clock = clock
+        self._last: float | None = None
+        self._nodes: dict[str, tuple[str, tuple[int, ...]]] = {}  # node id -> (ip, ranks)
+        self._reported: set[str] = set()
+        #: Every draining node of the cluster at the last look (ours or not): no
+        #: restarted group may count on their resources.
+        self.draining: frozenset[str] = frozenset()
+
+    def watch(self, placements: Sequence[Any]) -> None:
+        """Watch the nodes of a new group: one ``(node_id, node_ip)`` record per rank.
+
+        Records are :class:`~polytrain.launchers.ranks.WorkerMetadata` or anything with
+        ``node_id`` and ``node_ip`` attributes.
+        """
+        nodes: dict[str, tuple[str, list[int]]] = {}
+        for rank, meta in enumerate(placements):
+            nodes.setdefault(meta.node_id, (meta.node_ip, []))[1].append(rank)
+        self._nodes = {nid: (ip, tuple(ranks)) for nid, (ip, ranks) in nodes.items()}
+
+    def poll(self, force: bool = False) -> DrainDecision | None:
+        """A decision when a node of the group started draining since the last look, else None.
+
+        A node is reported once; a failed look (the GCS busy) is logged and skipped.
+        ``force`` looks now even if the last look was less than ``interval_s`` ago.
+        """
+        if not self.enabled or not self._nodes:
+            return None
+        now = self._clock()
+        if not force and self._last is not None and now - self._last < self._interval_s:
+            return None
+        self._last = now
+        try:
+            draining = dict(self._draining())
+        except Exception as exc:  # noqa: BLE001 - a missed look is retried at the next one
+            logger.debug("Could not read Ray's draining nodes: %s", exc)
+            return None
+        self.draining = frozenset(draining)
+        return self.decide(draining)
+
+    def decide(self, draining: Mapping[str, int]) -> DrainDecision | None:
+        """The decision for ``draining`` (``{node_id: deadline_ms}``): the group's nodes not reported yet."""
+        new = [
+            DrainingNode(nid, ip, ranks, _deadline(draining[nid]))
+            for nid, (ip, ranks) in self._nodes.items()
+            if nid in draining and nid not in self._reported
+        ]
+        if not new:
+            return None
+        self._reported.update(node.node_id for node in new)
+        new.sort(key=lambda n: (n.deadline_ms is None, n.deadline_ms or 0, n.node_id))
+        return DrainDecision(tuple(new))
+
+
+def _deadline(deadline_ms: int) -> int | None:
+    # 0 means none (ray drain-node without --deadline-remaining-seconds); so does Ray's
+    # "forever" (2**63 - 1), which its own tests use.
+    deadline_ms = int(deadline_ms)
+    return deadline_ms if 0 < deadline_ms < 2**62 else None
+
+
+def stop_target(taken: Iterable[int], unit: int = 1, margin: int = 1) -> int:
+    """The batch count (of the running call) every rank can still stop after.
+
+    ``taken``: the batches each rank has started. The target is the next step
+    boundary (a multiple of ``unit``, the batches per optimizer step) after the
+    furthest rank's batch, plus ``margin`` steps for the request to arrive.
+    """
+    furthest = max(taken, default=0)
+    return (math.ceil(furthest / unit) + margin) * unit
+
+
+def agree_on_stop(
+    ask: Callable[[dict[str, Any]], list[dict[str, Any] | None]],
+    unit: int = 1,
+    max_rounds: int = MAX_ROUNDS,
+) -> int | None:
+    """Settle the batch of the running call after which every rank stops; None if that failed.
+
+    ``ask(request)`` sends one request to every rank (through the monitor channel,
+    answered while the batch loop runs) and returns each rank's reply in rank order
+    (None: no reply). Requests: ``{"target": None}`` asks where each rank is;
+    ``{"target": T}`` proposes T: a rank that has not started batch T + 1 accepts
+    and, once at T, waits for the verdict; one past T refuses. ``{"target": T,
+    "final": True}`` stops every rank after T; ``{"cancel": True}`` withdraws the
+    proposal. Replies: ``{"ok": bool, "taken": batches started}``.
+
+    A rank that refused raises the target past it, and the proposal goes out again:
+    ranks waiting at the old target move on to the new one, so no rank ever stops
+    at a step another has passed.
+    """
+    replies = ask({"target": None})
+    for _ in range(max_rounds):
+        if any(reply is None for reply in replies):
+            break  # a worker did not answer: the call's own failure handling takes over
+        target = stop_target((int(r["taken"]) for r in replies if r is not None), unit)
+        replies = ask({"target": target})
+        if all(reply is not None and reply.get("ok") for reply in replies):
+            ask({"target": target, "final": True})
+            return target
+    ask({"cancel": True})
+    return None
+
+
+def placeable_outside(
+    bundle: Mapping[str, float],
+    excluded: Iterable[str],
+    available: Mapping[str, Mapping[str, float]],
+) -> int:
+    """How many copies of ``bundle`` the free resources of the nodes not in ``excluded`` hold.
+
+    ``available``: ``{node_id: {resource: free amount}}`` (Ray's
+    ``available_resources_per_node()``). Counted per node: a bundle never spans nodes.
+    """
+    skip = set(excluded)
+    total = 0
+    for node_id, free in available.items():
+        if node_id in skip:
+            continue
+        fits = [free.get(k, 0.0) // v for k, v in bundle.items() if v > 0]
+        total += int(min(fits)) if fits else 0
+    return total
+
+
+def ray_placeable_outside(bundle: Mapping[str, float], excluded: Iterable[str]) -> int:
+    """:func:`placeable_outside` with the cluster's free resources now."""
+    import ray
+
+    return placeable_outside(bundle, excluded, ray._private.state.available_resources_per_node())
+
+
+def placeable_off_draining(scaling: ScalingConfig, watch: DrainWatch) -> int:
+    """Workers shaped like ``scaling``'s that fit now, not counting the nodes ``watch`` saw draining.
+
+    Ray schedules nothing new on a draining node, but still counts its free
+    resources as available: a restarted group sized by them would wait for room
+    that never comes.
+    """
+    if not watch.draining:
+        return placeable_workers(scaling)
+    return ray_placeable_outside(scaling.worker_bundle(), watch.draining)
+
+
+def ask_workers(
+    group: WorkerGroup, request: dict[str, Any], timeout_s: float = 10.0
+) -> list[dict[str, Any] | None]:
+    """Send ``request`` to every worker's stop handler (monitor channel); replies in rank order.
+
+    A worker that does not answer within ``timeout_s`` (or whose call failed) yields None.
+    """
+    refs = [group.monitor_single_async(r, "stop_request", request) for r in range(len(group))]
+    replies: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(replies) < len(refs) and time.monotonic() < deadline:
+        for rank, ref in enumerate(refs):
+            if rank not in replies:
+                done, value = group.poll(ref)
+                if done:
+                    replies[rank] = value
+        if len(replies) < len(refs):
+            time.sleep(0.002)
+    return [r if isinstance(r := replies.get(rank), dict) else None for rank in range(len(refs))]
+
+
+def preemption_limit(max_preemptions: int | None) -> str:
+    """``max_preemptions`` for a log line: the number, or ``unlimited``."""
+    return "unlimited" if max_preemptions is None else str(max_preemptions)
