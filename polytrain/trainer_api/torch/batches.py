@@ -146,7 +146,10 @@ def train_step(operator: Operator, batch: Any, batch_info: dict[str, Any]) -> di
     strategy, components = operator.strategy, operator.components
     if micro.first:
         operator.zero_grad()
-    loss, _, target = forward(operator, batch)
+    loss, output, target = forward(operator, batch)
+    # The backward needs only what autograd saved: holding the output (a language model's
+    # logits and key/value cache) through backward and step would add its size to the peak.
+    del output
     scaled = strategy.accumulation_loss(loss, components, micro)
     with contextlib.nullcontext() if micro.last else operator.no_sync():
         operator.backward(scaled)
