@@ -181,7 +181,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------- submit
 def cmd_submit(args: argparse.Namespace) -> int:
     """Submit a command to a Ray cluster (Jobs API), stream its log, return its status."""
-    from polytrain.launchers.cluster.jobs import run_job
+    from polytrain.launchers.cluster.jobs import read_requirements, run_job
 
     entrypoint = list(args.entrypoint)
     if entrypoint and entrypoint[0] == "--":
@@ -193,6 +193,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     working_dir = None if args.no_working_dir else args.working_dir
     env_vars = dict(item.split("=", 1) for item in args.env)
+    pip = [*(read_requirements(args.requirements) if args.requirements else []), *args.pip]
     print(f"submitting to {args.address}: {' '.join(entrypoint)}", flush=True)
     try:
         outcome = run_job(
@@ -203,6 +204,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             env_vars=env_vars,
             wait=not args.no_wait,
             timeout_s=args.timeout,
+            pip=pip,
         )
     except KeyboardInterrupt:
         print_error("interrupted; the job was stopped")

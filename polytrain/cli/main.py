@@ -161,6 +161,18 @@ def _add_submit(sub: argparse._SubParsersAction) -> None:
     submit.add_argument(
         "--env", action="append", default=[], metavar="KEY=VALUE", help="job environment"
     )
+    submit.add_argument(
+        "--pip",
+        action="append",
+        default=[],
+        metavar="REQUIREMENT",
+        help="a pip requirement installed for this job only (repeatable)",
+    )
+    submit.add_argument(
+        "--requirements",
+        metavar="FILE",
+        help="a requirements file (read here), installed for this job",
+    )
     submit.add_argument("--no-wait", action="store_true", help="return once submitted")
     submit.add_argument("--timeout", type=float, help="stop the job after this many seconds")
     submit.add_argument("entrypoint", nargs=argparse.REMAINDER, help="-- COMMAND ...")

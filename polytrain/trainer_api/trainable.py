@@ -5,7 +5,10 @@ function trainable for :class:`ray.tune.Tuner`. Every trial builds its own
 trainer, trains epoch by epoch, and after each epoch reports the reduced train
 and validation metrics to Tune together with a checkpoint written by
 ``trainer.save()``; a trial that Tune restores (PBT exploit, a paused ASHA trial,
-a retried failure) resumes with ``trainer.load()``. The trial's placement group
+a retried failure) resumes with ``trainer.load()``. A trial restored with another
+config than its checkpoint's (a PBT exploit that mutated ``lr``) keeps the
+checkpoint's weights and optimizer state but takes the new config's optimizer
+hyperparameters (see :func:`follow_config_changes`). The trial's placement group
 holds a bundle for the trainable (bundle 0) and one per worker, and the trainer
 starts its workers inside it.
 
@@ -50,7 +53,10 @@ trainer never loads it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import json
+import logging
 import os
 import tempfile
 from collections.abc import Callable
@@ -64,7 +70,16 @@ from polytrain.trainer_api.options.configs import ScalingConfig, coerce_config
 if TYPE_CHECKING:  # pragma: no cover
     from ray.tune import PlacementGroupFactory
 
-__all__ = ["CHECKPOINT_FILE", "TRAINER_OPTION_KEYS", "make_trainable", "tune_resources"]
+__all__ = [
+    "CHECKPOINT_FILE",
+    "CONFIG_FILE",
+    "TRAINER_OPTION_KEYS",
+    "follow_config_changes",
+    "make_trainable",
+    "tune_resources",
+]
+
+logger = logging.getLogger(__name__)
 
 #: Trial config keys that set trainer options instead of entries of ``config``.
 TRAINER_OPTION_KEYS = (
@@ -79,6 +94,8 @@ _SCALING_KEYS = ("num_workers", "num_cpus_per_worker", "use_gpu")
 
 #: File name of the trainer checkpoint inside each Tune checkpoint directory.
 CHECKPOINT_FILE = "polytrain_checkpoint.pt"
+#: File name of the trainer's ``config`` (JSON) next to it: a restore compares it with its own.
+CONFIG_FILE = "polytrain_config.json"
 
 
 def _tune() -> ModuleType:
@@ -213,14 +230,101 @@ def _run_trial(trainer: Any, num_epochs: int | None, validate: bool, num_steps: 
         if checkpoint is not None:
             with checkpoint.as_directory() as directory:
                 trainer.load(os.path.join(directory, CHECKPOINT_FILE))
+                follow_config_changes(trainer, _read_config(directory))
         while num_epochs is None or trainer.epoch < num_epochs:
             metrics = _epoch_metrics(trainer, validate, num_steps)
             with tempfile.TemporaryDirectory(prefix="polytrain_tune_") as directory:
                 trainer.save(os.path.join(directory, CHECKPOINT_FILE))
+                _write_config(trainer, directory)
                 # Tune copies the directory into the trial's storage before returning.
                 tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(directory))
     finally:
         trainer.shutdown()
+
+
+def _json_config(config: dict[str, Any]) -> dict[str, Any] | None:
+    """``config`` as it reads back from JSON; None when it does not fit into JSON."""
+    try:
+        return json.loads(json.dumps(config))
+    except (TypeError, ValueError):
+        return None
+
+
+def _write_config(trainer: Any, directory: str) -> None:
+    config = _json_config(dict(trainer.config))
+    if config is not None:
+        with open(os.path.join(directory, CONFIG_FILE), "w") as file:
+            json.dump(config, file)
+
+
+def _read_config(directory: str) -> dict[str, Any] | None:
+    path = os.path.join(directory, CONFIG_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as file:
+        return json.load(file)
+
+
+def follow_config_changes(trainer: Any, saved: dict[str, Any] | None) -> dict[str, Any]:
+    """After loading a checkpoint written under ``saved`` config: the optimizers take the trainer's.
+
+    A checkpoint restores the optimizers' state, hyperparameters included, so a PBT
+    exploit that mutates ``lr`` would otherwise keep training with the lr of the
+    trial it cloned. On every worker both configs go through ``optimizer_creator``;
+    each hyperparameter they set differently (``lr``, ``momentum``, ``weight_decay``,
+    ...) takes the trainer's value. ``lr`` is scaled by new/old instead, and the
+    schedulers' base learning rates follow, so a schedule keeps its progress.
+
+    Args:
+        trainer: a loaded :class:`~polytrain.TorchTrainer` (other trainers: no-op).
+        saved: the config the checkpoint was written under (None: unknown, no-op).
+
+    Returns:
+        The config keys whose values changed (``{key: (old, new)}``).
+    """
+    current = _json_config(dict(trainer.config))
+    creators = getattr(trainer, "creators", None)
+    if saved is None or current is None or not hasattr(creators, "create_optimizers"):
+        return {}
+    changed = {
+        key: (saved.get(key), value) for key, value in current.items() if saved.get(key) != value
+    }
+    if changed:
+        logger.info("Restored with a changed config %s: the optimizers follow it.", changed)
+        old = {key: pair[0] for key, pair in changed.items()}
+        trainer.apply_all_operators(functools.partial(_retune_optimizers, creators, old))
+    return changed
+
+
+def _retune_optimizers(creators: Any, old: dict[str, Any], operator: Any) -> None:
+    """Worker: the hyperparameters the config's changed keys alter, set on the live optimizers."""
+    models = tuple(operator.strategy.unwrap_model(m) for m in operator.models)
+    before = creators.create_optimizers(models, {**operator.config, **old})
+    after = creators.create_optimizers(models, dict(operator.config))
+    for live, was, new in zip(operator.optimizers, before, after, strict=False):
+        for group, was_group, new_group in zip(
+            live.param_groups, was.param_groups, new.param_groups, strict=False
+        ):
+            for key, value in new_group.items():
+                if key == "params" or _same(was_group.get(key), value):
+                    continue
+                if key == "lr" and was_group.get("lr"):
+                    group["lr"] = group["lr"] * value / was_group["lr"]
+                    if "initial_lr" in group:
+                        group["initial_lr"] = value
+                else:
+                    group[key] = value
+    for scheduler in operator.schedulers:
+        groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", [])
+        if hasattr(scheduler, "base_lrs") and all("initial_lr" in g for g in groups):
+            scheduler.base_lrs = [g["initial_lr"] for g in groups]
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (TypeError, RuntimeError, ValueError):  # e.g. tensors of several elements
+        return a is b
 
 
 def make_trainable(

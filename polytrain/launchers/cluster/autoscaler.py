@@ -353,12 +353,16 @@ def read_cluster_shape(config_path: str | os.PathLike | None = None) -> ClusterS
 
     Sources, first found wins: ``config_path`` (or ``$POLYTRAIN_CLUSTER_CONFIG``; a
     launcher YAML or a RayCluster manifest), the GCS cluster config, the autoscaling
-    config file of the head's monitor process.
+    config file of the head's monitor process. A Ray Client driver (``ray://``) has
+    no GCS connection of its own and runs off the head: only the first source.
     """
     import ray._private.state
     import yaml
+    from ray.util.client import ray as ray_client
 
     path = config_path or os.environ.get(CLUSTER_CONFIG_ENV)
+    if not path and ray_client.is_connected():
+        return None
     if not path:
         gcs_config = ray._private.state.state.get_cluster_config()
         if gcs_config is not None and gcs_config.node_group_configs:

@@ -2,7 +2,9 @@
 
 The working directory is uploaded with the job (Ray's ``working_dir`` runtime
 env), so the cluster runs the code on the submitting machine; the job's log is
-streamed back while it runs.
+streamed back while it runs. Per-job Python packages go into Ray's ``pip`` runtime
+env: each node installs them into a virtualenv of the job's own (on top of the
+node's packages) before the job starts.
 
 A cluster with Ray's token authentication (``RAY_AUTH_MODE=token`` on the head)
 refuses Jobs API requests without its token. The token reaches the client from
@@ -168,6 +170,23 @@ def _client(address: str, token: str | None = None) -> Any:
         ) from exc
 
 
+def read_requirements(path: str | os.PathLike) -> list[str]:
+    """The requirement lines of a pip requirements file, without blank lines and comments.
+
+    Raises:
+        ConfigError: the file cannot be read.
+    """
+    try:
+        text = Path(path).expanduser().read_text()
+    except OSError as exc:
+        raise ConfigError(
+            f"--requirements {str(path)!r} cannot be read ({exc}). Pass a pip requirements "
+            f"file on this machine (one requirement per line)."
+        ) from None
+    lines = (line.split(" #", 1)[0].strip() for line in text.splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
 def submit_job(
     address: str,
     entrypoint: str | Sequence[str],
@@ -176,6 +195,7 @@ def submit_job(
     env_vars: dict[str, str] | None = None,
     submission_id: str | None = None,
     token: str | None = None,
+    pip: Sequence[str] | None = None,
 ) -> str:
     """Submit ``entrypoint`` to the cluster; returns the job id.
 
@@ -187,6 +207,8 @@ def submit_job(
         env_vars: environment of the job's driver and workers.
         submission_id: a job id of your own choosing.
         token: the cluster's auth token (default: see :func:`auth_token`).
+        pip: pip requirements installed for this job only (Ray's ``pip`` runtime env);
+            a path in them names a file or folder on the cluster's nodes.
 
     Raises:
         ConnectionError: the Jobs API cannot be reached, or refused the token (or its
@@ -204,6 +226,8 @@ def submit_job(
         runtime_env["excludes"] = [*DEFAULT_EXCLUDES, *excludes]
     if env_vars:
         runtime_env["env_vars"] = dict(env_vars)
+    if pip:
+        runtime_env["pip"] = list(pip)
     client = _client(address, token)
     with _auth_errors(address):
         return client.submit_job(
@@ -286,11 +310,13 @@ def run_job(
     out: TextIO | None = None,
     timeout_s: float | None = None,
     token: str | None = None,
+    pip: Sequence[str] | None = None,
 ) -> JobOutcome:
     """Submit a job and (by default) follow it to the end.
 
     ``token`` is the cluster's auth token; by default it comes from ``RAY_AUTH_TOKEN``
-    or ``RAY_AUTH_TOKEN_PATH`` (see :func:`auth_token`).
+    or ``RAY_AUTH_TOKEN_PATH`` (see :func:`auth_token`). ``pip`` lists requirements
+    installed for this job only (see :func:`submit_job`).
 
     Example:
         >>> outcome = run_job("http://127.0.0.1:8265",
@@ -300,7 +326,7 @@ def run_job(
     Returns:
         The :class:`JobOutcome`; its ``exit_code`` is 0 only when the job SUCCEEDED.
     """
-    job_id = submit_job(address, entrypoint, working_dir, excludes, env_vars, token=token)
+    job_id = submit_job(address, entrypoint, working_dir, excludes, env_vars, token=token, pip=pip)
     if not wait:
         return JobOutcome(job_id=job_id, status="PENDING")
     return follow_job(address, job_id, out=out, timeout_s=timeout_s, token=token)
