@@ -159,6 +159,14 @@ def memory_notes(p: int) -> list[str]:
         "data, DDP's gradient buckets (another 4Ψ), DeepSpeed's flat partitions and "
         "buckets, FSDP's gathered unit, the allocator's free lists. fairscale's OSS alone "
         "is ZeRO-1 (8Ψ + 8Ψ/N); with ShardedDDP each gradient is kept only by its owner.",
+        "- Peak RSS includes what the C allocator keeps after freeing: at the backward "
+        "peak of GPT-2 medium under fairscale, glibc held 520-930 MiB of freed memory per "
+        "rank, a different amount in every run and in both runners (`malloc_trim(0)` at "
+        "the end returned 650-920 MiB in both). The live tensors (parameters, gradients, "
+        "optimizer state) of polytrain's ranks equal the native script's to the MiB, and two "
+        "interleaved pairs gave 1.014 / 0.980 and 1.068 / 1.007 (rank 0 / rank 1): the "
+        "fairscale row's 1.133 is one rep of that spread, not a fixed cost. Read a single "
+        "rep's RSS ratio with a +-7 % band.",
         "",
     ]
 
