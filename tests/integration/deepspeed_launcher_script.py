@@ -43,3 +43,5 @@ print(
     f"CROSS_RANK {os.environ['CROSS_RANK']} CROSS_SIZE {os.environ['CROSS_SIZE']} "
     f"rank_sum {total.item():.0f} replicas_equal {all(torch.equal(w, weights[0]) for w in weights)}"
 )
+dist.barrier()
+dist.destroy_process_group()

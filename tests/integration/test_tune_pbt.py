@@ -75,6 +75,7 @@ def test_pbt_exploits_a_checkpoint_and_the_mutated_lr_takes_effect(
             storage_path=str(tmp_path),
             verbose=0,
             checkpoint_config=tune.CheckpointConfig(num_to_keep=4),
+            stop={"training_iteration": ITERATIONS},
         ),
     )
     results = tuner.fit()
@@ -100,8 +101,9 @@ def test_pbt_exploits_a_checkpoint_and_the_mutated_lr_takes_effect(
         assert last["epoch"] == ITERATIONS
         for key in ("loss", "val_loss", "val_accuracy", "lr_used"):
             assert math.isfinite(last[key]), (key, last[key])
-        # The lr the worker stepped with is the trial's config of that report, also
-        # after an exploit restored the other trial's optimizer state.
+        # The lr the worker stepped with is the trial's config of that report, also after
+        # an exploit restored the other trial's optimizer state (the stop criterion keeps
+        # PBT from exploiting after the last report, which would change the config alone).
         configured = last["config"]["lr"]
         assert last["lr_used"] == pytest.approx(configured, rel=1e-6)
         mutated += configured not in (GOOD_LR, BAD_LR)
