@@ -57,7 +57,9 @@ def main() -> int:
         loss_creator=torch.nn.CrossEntropyLoss,
         config={"lr": 0.1, "batch_size": 64},
         num_workers=2,
-        scaling_config={"address": sys.argv[1]},
+        # The proxy starts a server process for this client first: on 2 busy cores that
+        # can take longer than the default 30 s to connect.
+        scaling_config={"address": sys.argv[1], "start_timeout_s": 120},
     )
     try:
         stats = trainer.train()

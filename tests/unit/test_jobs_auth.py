@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from polytrain.errors import ConfigError
+from polytrain.launchers.cluster import jobs
 from polytrain.launchers.cluster.jobs import _is_plaintext_remote, auth_headers, auth_token
 
 
@@ -64,3 +65,42 @@ def test_unreadable_or_empty_token_file_is_a_config_error(no_token_env, tmp_path
 )
 def test_token_over_plain_http_to_another_host_is_flagged(address, plaintext_remote):
     assert _is_plaintext_remote(address) is plaintext_remote
+
+
+class _AgentLater:
+    """A Jobs API client whose head's job agent registers after ``busy`` answers."""
+
+    def __init__(self, busy: int) -> None:
+        self.busy = busy
+        self.calls = 0
+
+    def submit_job(self, **kwargs):
+        self.calls += 1
+        if self.calls <= self.busy:
+            raise RuntimeError(
+                "Request failed with status code 500: No available agent to submit job, "
+                "please try again later.."
+            )
+        return "raysubmit_1"
+
+
+def test_submission_waits_for_the_job_agent_of_a_head_that_just_started(monkeypatch):
+    client = _AgentLater(busy=2)
+    monkeypatch.setattr(jobs, "_client", lambda address, token=None: client)
+    monkeypatch.setattr(jobs.time, "sleep", lambda s: None)
+    assert jobs.submit_job("http://127.0.0.1:8265", "echo hi") == "raysubmit_1"
+    assert client.calls == 3
+
+
+def test_other_submission_errors_are_not_retried(monkeypatch):
+    class Broken:
+        calls = 0
+
+        def submit_job(self, **kwargs):
+            Broken.calls += 1
+            raise RuntimeError("Request failed with status code 400: bad runtime_env")
+
+    monkeypatch.setattr(jobs, "_client", lambda address, token=None: Broken())
+    with pytest.raises(RuntimeError, match="bad runtime_env"):
+        jobs.submit_job("http://127.0.0.1:8265", "echo hi")
+    assert Broken.calls == 1

@@ -187,6 +187,12 @@ def read_requirements(path: str | os.PathLike) -> list[str]:
     return [line for line in lines if line and not line.startswith("#")]
 
 
+#: What the Jobs API answers while the head's job agent has not registered yet.
+NO_AGENT = "No available agent to submit job"
+#: How long a submission waits for the job agent of a head that has just started.
+AGENT_WAIT_S = 60.0
+
+
 def submit_job(
     address: str,
     entrypoint: str | Sequence[str],
@@ -229,10 +235,20 @@ def submit_job(
     if pip:
         runtime_env["pip"] = list(pip)
     client = _client(address, token)
-    with _auth_errors(address):
-        return client.submit_job(
-            entrypoint=command, runtime_env=runtime_env or None, submission_id=submission_id
-        )
+    # A head that has just started answers the Jobs API before its job agent has
+    # registered ("No available agent to submit job, please try again later"): wait for
+    # it, as Ray asks, instead of failing a submission the next second would accept.
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            with _auth_errors(address):
+                return client.submit_job(
+                    entrypoint=command, runtime_env=runtime_env or None, submission_id=submission_id
+                )
+        except RuntimeError as exc:
+            if NO_AGENT not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
 
 
 def follow_job(
