@@ -53,7 +53,6 @@ trainer never loads it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import json
 import logging
@@ -276,55 +275,22 @@ def follow_config_changes(trainer: Any, saved: dict[str, Any] | None) -> dict[st
     schedulers' base learning rates follow, so a schedule keeps its progress.
 
     Args:
-        trainer: a loaded :class:`~polytrain.TorchTrainer` (other trainers: no-op).
+        trainer: a loaded trainer (its :meth:`follow_config` applies the change).
         saved: the config the checkpoint was written under (None: unknown, no-op).
 
     Returns:
         The config keys whose values changed (``{key: (old, new)}``).
     """
     current = _json_config(dict(trainer.config))
-    creators = getattr(trainer, "creators", None)
-    if saved is None or current is None or not hasattr(creators, "create_optimizers"):
+    if saved is None or current is None:
         return {}
     changed = {
         key: (saved.get(key), value) for key, value in current.items() if saved.get(key) != value
     }
     if changed:
         logger.info("Restored with a changed config %s: the optimizers follow it.", changed)
-        old = {key: pair[0] for key, pair in changed.items()}
-        trainer.apply_all_operators(functools.partial(_retune_optimizers, creators, old))
+        trainer.follow_config({key: pair[0] for key, pair in changed.items()})
     return changed
-
-
-def _retune_optimizers(creators: Any, old: dict[str, Any], operator: Any) -> None:
-    """Worker: the hyperparameters the config's changed keys alter, set on the live optimizers."""
-    models = tuple(operator.strategy.unwrap_model(m) for m in operator.models)
-    before = creators.create_optimizers(models, {**operator.config, **old})
-    after = creators.create_optimizers(models, dict(operator.config))
-    for live, was, new in zip(operator.optimizers, before, after, strict=False):
-        for group, was_group, new_group in zip(
-            live.param_groups, was.param_groups, new.param_groups, strict=False
-        ):
-            for key, value in new_group.items():
-                if key == "params" or _same(was_group.get(key), value):
-                    continue
-                if key == "lr" and was_group.get("lr"):
-                    group["lr"] = group["lr"] * value / was_group["lr"]
-                    if "initial_lr" in group:
-                        group["initial_lr"] = value
-                else:
-                    group[key] = value
-    for scheduler in operator.schedulers:
-        groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", [])
-        if hasattr(scheduler, "base_lrs") and all("initial_lr" in g for g in groups):
-            scheduler.base_lrs = [g["initial_lr"] for g in groups]
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except (TypeError, RuntimeError, ValueError):  # e.g. tensors of several elements
-        return a is b
 
 
 def make_trainable(

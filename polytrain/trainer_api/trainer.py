@@ -638,6 +638,13 @@ class BaseTrainer(abc.ABC):
         """
         self.checkpoints.load(path)
 
+    def follow_config(self, old: dict[str, Any]) -> None:
+        """After a checkpoint written under a config with ``old`` values was loaded: follow ``config``.
+
+        A checkpoint brings its optimizer hyperparameters back; a restore under a changed
+        config (a PBT exploit) wants the new ones. Default: nothing to follow.
+        """
+
     def apply_all_workers(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """Run ``fn(*args)`` in every worker process; returns the results in rank order."""
         return self._run(fn, *args)

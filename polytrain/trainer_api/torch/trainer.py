@@ -442,6 +442,17 @@ class TorchTrainer(BaseTrainer):
         """
         self._run(torch_worker.update_scheduler, metric)
 
+    def follow_config(self, old: dict[str, Any]) -> None:
+        """The optimizers take the hyperparameters ``config`` changed from ``old`` (``lr`` scaled).
+
+        Each changed hyperparameter (``lr``, ``momentum``, ...) is found by building the
+        optimizers under both configs on every worker; ``lr`` is scaled by new/old and the
+        schedulers' base learning rates follow, so a schedule keeps its progress.
+        """
+        self.apply_all_operators(
+            functools.partial(torch_worker.retune_optimizers, self.creators, old)
+        )
+
     def apply_all_operators(self, fn: Callable[[TrainingOperator], Any]) -> list[Any]:
         """Run ``fn(operator)`` on every worker's :class:`TrainingOperator`; results in rank order."""
         return self._run(torch_worker.apply_to_operator, fn)

@@ -431,3 +431,36 @@ def load_dir(url: str) -> dict[str, Any]:
 def save_dir(request: SaveRequest) -> dict[str, Any]:
     """Worker entry point (``trainer._run(save_dir, request)``): write this worker's part of a checkpoint directory now."""
     return apply_to_operator(functools.partial(checkpoint_torch.save_operator, request=request))
+
+
+def retune_optimizers(
+    creators: TorchCreators, old: dict[str, Any], operator: TrainingOperator
+) -> None:
+    """Worker: the hyperparameters the config's changed keys alter, set on the live optimizers."""
+    models = tuple(operator.strategy.unwrap_model(m) for m in operator.models)
+    before = creators.create_optimizers(models, {**operator.config, **old})
+    after = creators.create_optimizers(models, dict(operator.config))
+    for live, was, new in zip(operator.optimizers, before, after, strict=False):
+        for group, was_group, new_group in zip(
+            live.param_groups, was.param_groups, new.param_groups, strict=False
+        ):
+            for key, value in new_group.items():
+                if key == "params" or _same(was_group.get(key), value):
+                    continue
+                if key == "lr" and was_group.get("lr"):
+                    group["lr"] = group["lr"] * value / was_group["lr"]
+                    if "initial_lr" in group:
+                        group["initial_lr"] = value
+                else:
+                    group[key] = value
+    for scheduler in operator.schedulers:
+        groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", [])
+        if hasattr(scheduler, "base_lrs") and all("initial_lr" in g for g in groups):
+            scheduler.base_lrs = [g["initial_lr"] for g in groups]
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (TypeError, RuntimeError, ValueError):  # e.g. tensors of several elements
+        return a is b
