@@ -167,6 +167,16 @@ def memory_notes(p: int) -> list[str]:
         "interleaved pairs gave 1.014 / 0.980 and 1.068 / 1.007 (rank 0 / rank 1): the "
         "fairscale row's 1.133 is one rep of that spread, not a fixed cost. Read a single "
         "rep's RSS ratio with a +-7 % band.",
+        "- ZeRO-3's set-up under `init_on_rank0` (every module built in full inside "
+        "`zero.Init`, then partitioned; one module gathered at a time for rank 0's "
+        "weights) left about 1 GiB of freed memory resident on every rank, carried into "
+        "training: 1.059 / 1.041 and 1.053 / 1.043 before, 0.995 / 1.005 with "
+        "`init_on_rank0=False`. The workers now hand the allocator's free memory back "
+        "after the models are built and after the set-up (`malloc_trim`, "
+        "`polytrain.compat.allocator`): two reps since, 1.033 / 1.052 and 1.029 / 1.028, "
+        "and the set-up peak growth of rank 1 fell from 3,961 to 3,071-3,087 MiB. fsdp's "
+        "three reps (2026-11-25): 1.039 / 1.030, 1.073 / 1.033, 0.981 / 0.990, with the "
+        "native script's own peak moving by 250 MiB between runs.",
         "",
     ]
 

@@ -23,6 +23,7 @@ from polytrain.checkpoint import rng_state
 from polytrain.checkpoint import single_file as ckpt
 from polytrain.checkpoint.directory import SaveRequest
 from polytrain.checkpoint.safetensors_export import META_KEY
+from polytrain.compat.allocator import release_free_memory
 from polytrain.launchers.worker import WORKER_STATE
 from polytrain.trainer_api.creators import TorchCreators
 from polytrain.trainer_api.data.cursor import DataCursor
@@ -80,6 +81,9 @@ def setup_worker(setup: WorkerSetup, rank_info: Any, device_index: int) -> int:
     WORKER_STATE[_KEY] = operator
     WORKER_STATE[_CURSOR] = DataCursor(operator.train_loader)
     stopping.gate()  # answers the driver's stop requests from now on, even before a call
+    # The set-up freed about as much as it keeps (full builds partitioned or broadcast):
+    # give it back rather than carry it into training as resident memory.
+    release_free_memory()
     return _count_batches(components.train_loader, ctx, setup.config)
 
 
@@ -88,6 +92,7 @@ def _create_components(
 ) -> Components:
     # The backend places the models (sharded ones: built in full on rank 0 only).
     models = strategy.build_models(lambda: creators.create_models(config), ctx)
+    release_free_memory()  # rank 0's full copy, zero.Init's per-module full builds
     train_loader, val_loader = creators.create_data(config)
     for model in models:
         # Before the backend wraps: fully_shard / DeepSpeed then wrap checkpointed blocks.
