@@ -122,7 +122,8 @@ class BaseTrainer(abc.ABC):
     #: the trainer cannot read checkpoint directories.
     checkpoint_worker_module: ClassVar[Any] = None
     #: Whether a running training call can stop after an agreed batch: then a draining
-    #: node of the group is left at a step boundary (docs/failures.md, "Drained nodes").
+    #: node of the group is left at a step boundary (docs/failures.md, "Drained nodes");
+    #: otherwise at the next call boundary (an epoch end for TFTrainer).
     stops_at_steps: ClassVar[bool] = False
 
     def __init__(
@@ -501,7 +502,9 @@ class BaseTrainer(abc.ABC):
     def _watch_drains(self) -> ScalingPolicy:
         """Set up the drain watch; returns the scaling policy, which sizes groups without draining nodes."""
         #: Ray's draining nodes, read while training calls run (see :meth:`_poll_drains`).
-        self.drain_watch = DrainWatch(enabled=self.stops_at_steps and not self.scaling.local_mode)
+        #: A trainer whose calls cannot stop at a step (TFTrainer's epoch calls) leaves a
+        #: draining node at the next call boundary.
+        self.drain_watch = DrainWatch(enabled=not self.scaling.local_mode)
         self._drain: DrainDecision | None = None  # a drain seen and not acted on yet
         self._stoppable: tuple[int, int] | None = None  # (call id, batches per step) running
         self._calls = 0
@@ -525,11 +528,12 @@ class BaseTrainer(abc.ABC):
         decision = self.drain_watch.poll(force=force)
         if decision is not None:
             logger.warning(
-                "%s: the workers (rank%s %s) finish their current step, checkpoint there and "
+                "%s: the workers (rank%s %s) finish their current %s, checkpoint there and "
                 "the group continues without the node.",
                 decision.describe(),
                 "s" if len(decision.ranks) > 1 else "",
                 ", ".join(map(str, decision.ranks)),
+                "step" if self.stops_at_steps else "training call (an epoch)",
             )
             nodes = (self._drain.nodes if self._drain else ()) + decision.nodes
             self._drain = DrainDecision(nodes, decision.reason)

@@ -351,6 +351,66 @@ def check_drain(cluster, nodes: dict, tmp: Path) -> dict:
     }
 
 
+def check_tf_drain(cluster, nodes: dict, tmp: Path) -> dict:
+    """TFTrainer (whole-epoch calls): the node of rank 1 drains during epoch 0; left at its end."""
+    import ray
+
+    from examples import tf_digits
+    from polytrain import TFTrainer
+
+    handler = _Lines()
+    logging.getLogger("polytrain").addHandler(handler)
+    logging.getLogger("polytrain").setLevel(logging.INFO)
+    trainer = TFTrainer(
+        model_creator=tf_digits.model_creator,
+        data_creator=tf_digits.data_creator,
+        config={"lr": 0.05, "batch_size": 64, "shuffle": False},
+        scaling_config={
+            "num_workers": 2,
+            "min_workers": 1,
+            "num_cpus_per_worker": 2,  # one worker per node: the node left holds one
+            "placement_strategy": "SPREAD",
+        },
+        failure_config={"max_retries": 0},
+        checkpoint_config={"checkpoint_dir": str(tmp / "tf-drain-ckpt")},
+    )
+    drained: dict = {}
+    try:
+        before = trainer.apply_all_workers(worker_facts)
+        victim, victim_ip = before[1]["node_id"], before[1]["node_ip"]
+
+        def drain_soon() -> None:
+            time.sleep(0.3)  # inside epoch 0's call
+            drained["accepted"] = list(drain_node(victim, 120, "polytrain TF drain test"))
+
+        drainer = threading.Thread(target=drain_soon, daemon=True)
+        drainer.start()
+        stats = [trainer.train(num_steps=30)]
+        drainer.join(30)
+        stats.append(trainer.train(num_steps=30))
+        after = trainer.apply_all_workers(worker_facts)
+        counts = {"preemptions": trainer.num_preemptions, "restarts": trainer.num_restarts}
+    finally:
+        trainer.shutdown()
+        logging.getLogger("polytrain").removeHandler(handler)
+        if "accepted" in drained:  # a drained node stays draining: replace it
+            cluster.remove_node(nodes[victim_ip])
+            nodes[victim_ip] = cluster.add_node(num_cpus=2, node_ip_address=victim_ip)
+            cluster.wait_for_nodes()
+    return {
+        "victim": victim,
+        "drained": drained,
+        "before": before,
+        "after": after,
+        "draining_now": sorted(ray._private.state.state.get_draining_nodes()),
+        **counts,
+        "epochs": [s.get("epoch") for s in stats],
+        "num_steps": [s.get("num_steps") for s in stats],
+        "num_workers": [s.get("num_workers") for s in stats],
+        "log": handler.lines,
+    }
+
+
 def _guarded(fn, *args) -> dict:
     start = time.monotonic()
     try:
@@ -404,6 +464,8 @@ def main(
                 backends[name] = _guarded(check_torch_backend, name)
         result["backends"] = backends
         result["drain"] = _guarded(check_drain, cluster, nodes, tmp)
+        if "mwms" in wanted and get_spec("mwms").installed and not drain_only:
+            result["tf_drain"] = _guarded(check_tf_drain, cluster, nodes, tmp)
         result["node_loss"] = {}
         losses = [] if no_node_loss or drain_only else [("horovod", True), ("ddp", False)]
         for i, (backend, graceful) in enumerate(losses):

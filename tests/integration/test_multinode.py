@@ -226,3 +226,25 @@ def test_a_drained_node_is_left_at_a_step_with_no_step_lost(drained):
         line.startswith("Preemption 1 (failure_config max_preemptions=unlimited)") for line in lines
     ), lines
     assert drained["seconds"] < 60
+
+
+def test_tf_leaves_a_drained_node_at_the_end_of_the_running_epoch(multinode):
+    """TFTrainer's calls are whole epochs: a drain during one is acted on at its end."""
+    result = multinode.get("tf_drain") or pytest.skip("TensorFlow (mwms) is not installed")
+    assert result["status"] == "ok", result.get("error")
+    assert result["drained"]["accepted"][0] is True
+    victim = result["victim"]
+    before = {w["node_id"] for w in result["before"]}
+    assert victim in before and len(before) == 2
+    assert {w["node_id"] for w in result["after"]} == before - {victim}
+    # the epoch under way finished on both workers; the next ran on the node left
+    assert result["num_workers"] == [2, 1] and result["epochs"] == [0, 1]
+    # whole epochs (the digits set is 23 steps of 64): none cut short, none lost
+    assert result["num_steps"][0] == result["num_steps"][1] > 0
+    assert result["preemptions"] == 1 and result["restarts"] == 0
+    lines = result["log"]
+    assert any(
+        f"Node {victim} (" in line and "finish their current training call (an epoch)" in line
+        for line in lines
+    ), lines
+    assert any(line.startswith("Preemption 1 (failure_config max_preemptions=") for line in lines)
