@@ -6,6 +6,13 @@ a plain object in local mode. A step's checkpoint directory is committed (its
 rank of the group has reported that step and at least one passed a checkpoint:
 all ranks have copied their files by then, since each reports after its copy.
 The board keeps rank 0's metrics of every step, across restarts of the group.
+
+It is also where a drain reaches the loop consistently: the driver posts a
+:class:`~polytrain.train.preemption.PreemptionInfo` (:meth:`ReportBoard.announce_preemption`),
+which the board hands out from the first report number no rank has made yet, so
+every rank gets the same answer from the same ``report()`` call; from then on a
+rank learns whether its step committed a checkpoint (:meth:`ReportBoard.step_done`),
+the step every rank stops at.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any
 from polytrain.checkpoint import layout
 from polytrain.checkpoint.storage import Storage
 from polytrain.train.config import CheckpointConfig
+from polytrain.train.preemption import PreemptionInfo
 
 METRICS_FILE = ".polytrain_metrics.json"
 
@@ -38,6 +46,11 @@ class ReportBoard:
         self._pending: dict[int, dict[int, tuple[Any, bool]]] = {}
         #: Local mode only (the board is a plain object): called after every new history entry.
         self.listener: Any = None
+        self._reported_upto = -1  # the highest report number any rank of this attempt made
+        # (first report number, info) of each announcement of this attempt, oldest first.
+        self._announced: list[tuple[int, PreemptionInfo]] = []
+        # The announced steps every rank has reported: whether each committed a checkpoint.
+        self._done: dict[int, bool] = {}
         # (index, metrics) of every committed checkpoint, oldest first.
         self.committed: list[tuple[int, dict[str, Any]]] = [
             (order[0], self._read_metrics(name))
@@ -66,14 +79,52 @@ class ReportBoard:
             if order[0] not in done:
                 self.root.remove(name)
         seen = [entry["_index"] for entry in self.history]
-        return max([*done, *seen], default=-1) + 1
+        start = max([*done, *seen], default=-1) + 1
+        # A new group runs off any node that drained under the old one: nothing to announce.
+        self._reported_upto = start - 1
+        self._announced.clear()
+        self._done.clear()
+        return start
 
-    def report(self, index: int, rank: int, metrics: Any, has_checkpoint: bool) -> None:
-        """Worker ``rank`` reported step ``index`` (metrics: rank 0's, else None)."""
+    def announce_preemption(self, info: PreemptionInfo) -> int:
+        """Driver: a node of the group drains; returns the first report number that carries ``info``.
+
+        That is the number after the highest any rank has reported: no rank has had an
+        answer for it yet, so every rank gets ``info`` from the same ``report()`` call.
+        """
+        first = self._reported_upto + 1
+        self._announced.append((first, info))
+        return first
+
+    def preemption_at(self, index: int) -> PreemptionInfo | None:
+        """The drain announced for report number ``index`` (the newest that applies), or None."""
+        found = None
+        for first, info in self._announced:
+            if first <= index:
+                found = info
+        return found
+
+    def step_done(self, index: int) -> bool | None:
+        """Worker: for an announced step, whether it committed a checkpoint; None: not every rank reported it."""
+        return self._done.get(index)
+
+    def report(
+        self, index: int, rank: int, metrics: Any, has_checkpoint: bool
+    ) -> tuple[PreemptionInfo | None, bool | None]:
+        """Worker ``rank`` reported step ``index`` (metrics: rank 0's, else None).
+
+        Returns:
+            ``(info, done)``: the drain announced for this report number (None: none),
+            and, when this report completed an announced step, whether a checkpoint was
+            committed at it (None: other ranks have not reported it yet, or nothing was
+            announced; ask :meth:`step_done`).
+        """
+        self._reported_upto = max(self._reported_upto, index)
+        info = self.preemption_at(index)
         pending = self._pending.setdefault(index, {})
         pending[rank] = (metrics, has_checkpoint)
         if len(pending) < self.world_size:
-            return
+            return info, None
         del self._pending[index]
         metrics = dict(pending.get(0, ({}, False))[0] or {})
         checkpoint_url = None
@@ -82,8 +133,11 @@ class ReportBoard:
         self.history.append(
             {**metrics, "_index": index, "_timestamp": time.time(), "_checkpoint": checkpoint_url}
         )
+        if info is not None:
+            self._done[index] = checkpoint_url is not None
         if self.listener is not None:
             self.listener()
+        return info, self._done.get(index)
 
     def _commit(self, index: int, metrics: dict[str, Any]) -> str:
         name = layout.checkpoint_name(index)

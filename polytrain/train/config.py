@@ -38,24 +38,42 @@ class FailureConfig:
         hang_timeout_s: polytrain's hang watchdog: no report and no progress for this
             long counts as a failure. None: off.
         collective_timeout_s: timeout of one collective (process group / Horovod).
+        max_preemption_failures: drained nodes (a preemption announced by Ray) the run
+            moves off, counted apart from ``max_failures``: the loop reports a
+            checkpoint once ``get_preemption_info()`` answers, and the group restarts
+            off the node from it (docs/own-loop.md). One more drain ends ``fit()`` with
+            :class:`~polytrain.errors.PreemptedError` after that checkpoint. -1 (the
+            default, as in Ray Train): no limit. The creator API's
+            ``FailureConfig.max_preemptions``.
     """
 
     max_failures: int = 0
     hang_timeout_s: float | None = None
     collective_timeout_s: float = 1800.0
+    max_preemption_failures: int = -1
 
     def __post_init__(self) -> None:
         check_int("max_failures", self.max_failures, -1)
         check_number("hang_timeout_s", self.hang_timeout_s, 0, allow_none=True)
         check_number("collective_timeout_s", self.collective_timeout_s, 1)
+        value = self.max_preemption_failures
+        wrong_type = isinstance(value, bool) or not isinstance(value, int)
+        if wrong_type or value < -1:
+            raise (ConfigTypeError if wrong_type else ConfigError)(
+                f"FailureConfig(max_preemption_failures={value!r}) must be an int: -1 (no "
+                f"limit, the default), 0 (the first drained node ends fit() after its "
+                f"checkpoint) or the number of drained nodes to move off."
+            )
 
     def to_polytrain(self) -> polytrain_configs.FailureConfig:
         """The creator API's :class:`~polytrain.trainer_api.options.configs.FailureConfig`."""
         retries = 2**31 - 1 if self.max_failures < 0 else self.max_failures
+        preemptions = None if self.max_preemption_failures < 0 else self.max_preemption_failures
         return polytrain_configs.FailureConfig(
             max_retries=retries,
             hang_timeout_s=self.hang_timeout_s,
             collective_timeout_s=self.collective_timeout_s,
+            max_preemptions=preemptions,
         )
 
 

@@ -1,4 +1,4 @@
-"""Inside the loop: ``report``, ``get_checkpoint``, ``get_context``, ``get_dataset_shard``.
+"""Inside the loop: ``report``, ``get_checkpoint``, ``get_context``, ``get_dataset_shard``, ``get_preemption_info``.
 
 A worker running ``train_loop_per_worker`` holds one :class:`Session` (in its
 ``WORKER_STATE``) while the loop runs; outside a loop these functions raise,
@@ -7,6 +7,7 @@ naming what to do.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ from polytrain.checkpoint.storage import Storage
 from polytrain.errors import ConfigTypeError, PolytrainError
 from polytrain.launchers.worker import WORKER_STATE, report_progress
 from polytrain.train.checkpoint import Checkpoint, upload
+from polytrain.train.preemption import LoopPreempted, PreemptionInfo
 
 _KEY = "polytrain_train_session"
 
@@ -83,6 +85,8 @@ class Session:
     dataset_shards: dict[str, Any] = field(default_factory=dict)
     strategy: Any = None  # the backend's worker-side strategy (polytrain.train.torch)
     components: Any = None  # what prepare() wrapped, for backward / step / no_sync
+    preemption: PreemptionInfo | None = None  # the drain the last report() brought back
+    stopped_at: int | None = None  # the report a drain ended the loop at (it must stay ended)
 
 
 def start(session: Session) -> None:
@@ -134,6 +138,11 @@ def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None) -> Non
     ``checkpoint_NNNNNN`` directory (ranks may add their own files, e.g. shards);
     the directory is committed once every rank has reported the step.
 
+    While a node of the group drains (the report answers with it: see
+    :func:`get_preemption_info`), the first report with a checkpoint ends the loop on
+    every rank once all have reported it: it does not return, and the run continues
+    off the node from that checkpoint.
+
     Args:
         metrics: metric names to values (numbers, or anything JSON-able).
         checkpoint: a :class:`Checkpoint` from :meth:`Checkpoint.from_directory`.
@@ -143,6 +152,8 @@ def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None) -> Non
         ConfigTypeError: metrics not a dict, or checkpoint not a :class:`Checkpoint`.
     """
     session = current("report")
+    if session.stopped_at is not None:  # the loop swallowed the stop: it is still over
+        raise LoopPreempted(session.stopped_at)
     metrics = _check_metrics(metrics)
     if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
         raise ConfigTypeError(
@@ -154,17 +165,84 @@ def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None) -> Non
     if checkpoint is not None:
         upload(checkpoint, Storage(session.run_url).child(layout.checkpoint_name(index)))
     rank = session.context.world_rank
-    call = getattr(session.board.report, "remote", None)
-    args = (index, rank, metrics if rank == 0 else None, checkpoint is not None)
-    if call is not None:
-        import ray
-
-        ray.get(call(*args))  # returns when the board has the report: a commit never waits on us
-    else:
-        session.board.report(*args)
+    # Returns when the board has the report: a commit never waits on us.
+    info, done = _ask_board(
+        session, "report", index, rank, metrics if rank == 0 else None, checkpoint is not None
+    )
     # The hang watchdog and progress monitors see the loop move (metrics stay out of it:
     # a metric named like a progress field would clash).
     report_progress(index + 1, phase="train", reports=index + 1)
+    session.preemption = info
+    if info is not None and _committed(session, index, done):
+        session.stopped_at = index
+        raise LoopPreempted(index)  # every rank stops here; the driver moves the group
+
+
+#: Seconds between two looks at an announced step, doubling up to the second value.
+_STEP_WAIT_S = (0.002, 0.05)
+
+
+def _ask_board(session: Session, method: str, *args: Any) -> Any:
+    call = getattr(getattr(session.board, method), "remote", None)
+    if call is None:
+        return getattr(session.board, method)(*args)  # local mode: the board is a plain object
+    import ray
+
+    return ray.get(call(*args))
+
+
+def _committed(session: Session, index: int, done: bool | None) -> bool:
+    """Whether step ``index`` committed a checkpoint; waits until every rank has reported it.
+
+    Only after a drain was announced: whether this is the step every rank stops at
+    depends on the other ranks' reports (rank 0 alone may pass the checkpoint).
+    """
+    wait = _STEP_WAIT_S[0]
+    while done is None:
+        time.sleep(wait)
+        wait = min(2 * wait, _STEP_WAIT_S[1])
+        done = _ask_board(session, "step_done", index)
+    return done
+
+
+def get_preemption_info() -> PreemptionInfo | None:
+    """Whether a node of this run's worker group is draining: a :class:`PreemptionInfo`, or None.
+
+    Ray Train's ``get_preemption_info()``. The answer is the one the loop's last
+    :func:`report` call brought back from the driver (None before the first report),
+    and it is the same on every rank at the same ``report()`` call: the driver
+    announces a drain from a report no rank has made yet. So a loop that reads it
+    after each ``report()`` decides alike on every rank, and calling it costs nothing
+    (no round trip, no barrier).
+
+    What to do with it: report a checkpoint. Of the reports that answer with the
+    drain, the first that carries a checkpoint is this group's last: once every rank
+    has reported that step, ``report()`` does not return; the loop ends there on every
+    rank, and the run goes on in a new group off the draining node, where
+    :func:`get_checkpoint` returns that checkpoint (counted in
+    ``FailureConfig.max_preemption_failures``, not in ``max_failures``). A loop that
+    reports no checkpoint before the node goes is restarted from its latest
+    checkpoint as after any lost worker (counted in ``max_failures``). A loop that
+    returns is done. Example::
+
+        for step in range(start, steps):
+            loss = train_step(step)
+            if train.get_preemption_info() is not None:   # the node goes: save now
+                with tempfile.TemporaryDirectory() as d:
+                    save(model, optimizer, step, d)
+                    train.report({"loss": loss}, checkpoint=train.Checkpoint.from_directory(d))
+            else:
+                train.report({"loss": loss})
+
+    Returns:
+        :class:`PreemptionInfo` (the node's id and IP, ``reason``, ``deadline_ms`` /
+        ``deadline`` / ``seconds_left()``, the ``ranks`` on it), or None while no node of
+        the group is draining (and always in local mode).
+
+    Raises:
+        SessionMisuseError: called outside a training loop.
+    """
+    return current("get_preemption_info").preemption
 
 
 def get_checkpoint() -> Checkpoint | None:

@@ -6,7 +6,10 @@ polytrain's own machinery: a :class:`_LoopRunner` (a
 ``make_group`` (warm pool included), connects it with the backend's rendezvous
 (process group, Horovod, ...), and restarts it after a lost or hung worker as
 ``FailureConfig.max_failures`` allows; each restart runs the loop again, where
-``get_checkpoint()`` returns the latest committed checkpoint.
+``get_checkpoint()`` returns the latest committed checkpoint. While the loop runs
+the driver watches Ray's draining nodes: a drain of a node of the group reaches the
+loop through ``get_preemption_info()``, and at the checkpoint the loop reports then,
+the group moves off the node (:mod:`polytrain.train.preemption`).
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ import copy
 import dataclasses
 import datetime
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from polytrain.backends.core.backend import Backend
 from polytrain.checkpoint.storage import Storage
-from polytrain.errors import ConfigError, ConfigTypeError
+from polytrain.errors import ConfigError, ConfigTypeError, PreemptedError
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.scaling import ScalingConfig
 from polytrain.train import worker_entry
@@ -29,9 +33,13 @@ from polytrain.train.board import ReportBoard
 from polytrain.train.checkpoint import Checkpoint
 from polytrain.train.config import DEFAULT_STORAGE_PATH, RunConfig, coerce
 from polytrain.train.feed import ReportFeed, Sink, TrackerSink, public
+from polytrain.train.preemption import LoopStopped, PreemptionInfo
 from polytrain.train.result import Result
 from polytrain.trainer_api.options.configs import coerce_config
+from polytrain.trainer_api.policies.drain import preemption_limit
 from polytrain.trainer_api.trainer import BaseTrainer
+
+logger = logging.getLogger(__name__)
 
 
 def check_loop(fn: Any, config: dict[str, Any] | None) -> bool:
@@ -64,10 +72,15 @@ def check_loop(fn: Any, config: dict[str, Any] | None) -> bool:
 
 
 class _LoopRunner(BaseTrainer):
-    """The worker group's life for one ``fit()``: start, connect, run, restart."""
+    """The worker group's life for one ``fit()``: start, connect, run, restart, leave drained nodes."""
+
+    #: A drained node of the group is left at the checkpoint the loop reports once told
+    #: (every rank stops at that report), not at a call boundary.
+    stops_at_steps = True
 
     def __init__(self, owner: DataParallelTrainer) -> None:
         self.owner = owner
+        self._announced: PreemptionInfo | None = None  # the drain the running loop was told of
         super().__init__(
             backend=owner.backend,
             backend_config=owner.backend_config,
@@ -113,8 +126,117 @@ class _LoopRunner(BaseTrainer):
         return [feed.poll] if feed is not None and feed.sinks else []
 
     def run(self) -> None:
-        """Run the loop on every worker; a retried attempt starts from the latest checkpoint."""
-        self._run(worker_entry.run_loop, args_fn=self.owner.attempt_args)
+        """Run the loop on every worker; a retried attempt starts from the latest checkpoint.
+
+        A loop that a drain stopped at its checkpoint runs again, in a group off the
+        draining node, from that checkpoint.
+        """
+        while True:
+            try:
+                results = self._run(worker_entry.run_loop, args_fn=self.owner.attempt_args)
+            except BaseException:
+                if self._announced is not None:
+                    logger.warning(
+                        "%s, and the loop reported no checkpoint after it was told; the run "
+                        "fails with the error below (not retried, or failure_config "
+                        "max_failures=%d spent). Its latest checkpoint is %s.",
+                        self._announced.describe(),
+                        self.owner.run_config.failure_config.max_failures,
+                        self.owner._board_call("latest_checkpoint") or "none",
+                    )
+                raise
+            stop = next((r for r in results if isinstance(r, LoopStopped)), None)
+            if stop is None:
+                if self._announced is not None:
+                    logger.warning(
+                        "The loop returned while %s: the run is complete, nothing to move.",
+                        _lower_first(self._announced.describe()),
+                    )
+                return
+            self._move_off(stop)
+
+    # ------------------------------------------------------- drained nodes
+    def _poll_drains(self, force: bool = False) -> None:
+        """Poll hook: tell the loop of a drain of the group's nodes, through the report board."""
+        decision = self.drain_watch.poll(force=force)
+        if decision is None:
+            return
+        info = PreemptionInfo.from_decision(decision, self._announced)
+        first = self.owner._board_call("announce_preemption", info)
+        self._announced = info
+        logger.warning(
+            "%s: the loop sees it in train.get_preemption_info() from its next report() on "
+            "(report %d of the run; rank%s %s on the node). Every rank stops at the first "
+            "checkpoint it reports then and the group restarts off the node from it; a loop "
+            "that reports none is restarted from its latest checkpoint (%s) once the node is "
+            "gone, as after a lost worker (failure_config max_failures=%d).",
+            decision.describe(),
+            first,
+            "s" if len(decision.ranks) > 1 else "",
+            ", ".join(map(str, decision.ranks)),
+            self.owner._board_call("latest_checkpoint") or "none yet",
+            self.owner.run_config.failure_config.max_failures,
+        )
+
+    def _move_off(self, stop: LoopStopped) -> None:
+        """The loop stopped at its checkpoint after a drain: count it, restart off the node.
+
+        Raises:
+            PreemptedError: more drains than ``max_preemption_failures``; the group is
+                stopped, the checkpoint kept.
+        """
+        info, self._announced = self._announced, None
+        self._preemptions += 1
+        limit = self.failure.max_preemptions
+        checkpoint = self.owner._board_call("latest_checkpoint")
+        left = info.seconds_left() if info is not None else None
+        nodes = ", ".join(info.preempted_node_ids) if info is not None else "(unknown)"
+        logger.warning(
+            "Preemption %d (failure_config max_preemption_failures=%s) of node %s: every rank "
+            "stopped at the loop's checkpoint %s (report %d, %s); the group restarts off the "
+            "node from it.",
+            self._preemptions,
+            preemption_limit(limit),
+            nodes,
+            checkpoint,
+            stop.index,
+            "no deadline" if left is None else f"{left:.0f} s before the deadline",
+        )
+        self._teardown_group(force=True)  # not to the warm pool: those on the node would return
+        if limit is not None and self._preemptions > limit:
+            raise PreemptedError(
+                f"{info.describe() if info is not None else 'A node drains'}; that is "
+                f"preemption {self._preemptions}, more than failure_config "
+                f"max_preemption_failures={limit}. The loop's checkpoint {checkpoint} holds its "
+                f"state: a trainer with the same RunConfig(storage_path, name) continues from "
+                f"it (get_checkpoint()); or raise max_preemption_failures.",
+                checkpoint_path=checkpoint,
+            )
+        try:
+            self._restart()
+        except BaseException:
+            self._shut_down = True
+            raise
+        logger.warning(
+            "Continuing from %s on %d worker(s) off the drained node(s).",
+            checkpoint,
+            self._group_size,
+        )
+
+    def _restart(self, num_workers: int | None = None) -> None:
+        """A restart after a failure; says so when it is the reactive end of a drain."""
+        if self._announced is not None:
+            info, self._announced = self._announced, None
+            logger.warning(
+                "%s, and the loop reported no checkpoint after it was told; the group lost a "
+                "worker (the node is gone): restarting from the latest checkpoint %s as after "
+                "any lost worker (restart %d, failure_config max_failures=%d).",
+                info.describe(),
+                self.owner._board_call("latest_checkpoint") or "(none: from the start)",
+                self.num_restarts,
+                self.owner.run_config.failure_config.max_failures,
+            )
+        super()._restart(num_workers)
 
 
 class _TFLoopRunner(_LoopRunner):
@@ -189,6 +311,24 @@ class DataParallelTrainer:
         self.feed: ReportFeed | None = None
         self.trial_name: str | None = None  # set inside a Tune trial
         self._report_sinks: list[Sink] = []
+        self._runner: _LoopRunner | None = None
+
+    @property
+    def num_restarts(self) -> int:
+        """Restarts of the worker group after lost or hung workers in the last ``fit()``.
+
+        Counted in ``FailureConfig.max_failures``; 0 before the first ``fit()``.
+        """
+        return self._runner.num_restarts if self._runner is not None else 0
+
+    @property
+    def num_preemptions(self) -> int:
+        """Drained nodes the last ``fit()`` moved its workers off (see ``get_preemption_info``).
+
+        Counted in ``FailureConfig.max_preemption_failures``, not in :attr:`num_restarts`;
+        0 before the first ``fit()``.
+        """
+        return self._runner.num_preemptions if self._runner is not None else 0
 
     def add_report_sink(self, sink: Sink) -> None:
         """Driver: call ``sink(entry)`` with each of rank 0's reports while ``fit()`` runs.
@@ -342,6 +482,10 @@ class DataParallelTrainer:
             metrics_history=[public(entry) for entry in history],
             best_checkpoints=best,
         )
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]
 
 
 def _check_datasets(datasets: Any) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from polytrain.backends.core.backend import Backend
 from polytrain.backends.core.context import WorkerContext
 from polytrain.train import session as train_session
 from polytrain.train.checkpoint import Checkpoint
+from polytrain.train.preemption import LoopPreempted, LoopStopped
 
 
 @dataclass
@@ -68,14 +69,21 @@ def setup_session(
     )
 
 
-def run_loop(start_index: int, checkpoint_url: str | None) -> None:
-    """Worker: run the user's function once, from step ``start_index`` and that checkpoint."""
+def run_loop(start_index: int, checkpoint_url: str | None) -> LoopStopped | None:
+    """Worker: run the user's function once, from step ``start_index`` and that checkpoint.
+
+    Returns:
+        None when the function returned; :class:`LoopStopped` when ``report()`` ended it
+        at the checkpoint reported after a drain (every rank stops at the same report).
+    """
     from polytrain.launchers.worker import WORKER_STATE
 
     spec, session = WORKER_STATE[_SPEC]
     session.next_index = start_index
     session.checkpoint = Checkpoint(checkpoint_url) if checkpoint_url else None
     session.components = None
+    session.preemption = None  # a new group runs off the nodes that drained under the old one
+    session.stopped_at = None
     train_session.start(session)
     try:
         with session.strategy.worker_scope(session.worker_context):
@@ -83,5 +91,9 @@ def run_loop(start_index: int, checkpoint_url: str | None) -> None:
                 spec.fn(dict(spec.config))
             else:
                 spec.fn()
+    except LoopPreempted:
+        pass  # report() ended the loop: where is in the session
     finally:
         train_session.end()
+    # Also when the loop swallowed the stop and returned: the group moves on either way.
+    return LoopStopped(session.stopped_at) if session.stopped_at is not None else None
