@@ -19,7 +19,17 @@ from polytrain.backends.core.rendezvous import Rendezvous
 from polytrain.backends.core.torch_distributed import start_process_group
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.worker import WORKER_STATE
+from polytrain.lightning.restarts import (
+    FIT_ENTRY,
+    CheckpointFinder,
+    ckpt_path_of,
+    describe_loss,
+    pin_logger_versions,
+    should_restart,
+    with_ckpt_path,
+)
 from polytrain.lightning.tune import TUNE_QUEUE_KEY, TuneReportCallback, deliver_report
+from polytrain.trainer_api.policies.failure import FailurePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +59,8 @@ class RayLauncher(_Launcher):
     the call's arguments to every actor, runs the entry point there and copies
     rank 0's results into the driver's Trainer and LightningModule. The group is
     torn down after each call. A worker's exception reaches the driver with its
-    rank and remote traceback.
+    rank and remote traceback; a lost worker starts a new group instead, within
+    the strategy's ``max_retries`` (:mod:`polytrain.lightning.restarts`).
 
     Args:
         strategy: the :class:`~polytrain.lightning.RayStrategy` that owns this launcher.
@@ -67,8 +78,13 @@ class RayLauncher(_Launcher):
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         """Run ``function(*args, **kwargs)`` on every worker; return rank 0's result.
 
+        A lost worker restarts the group, up to the strategy's ``max_retries`` over its
+        life: a ``fit`` resumes from the newest checkpoint Lightning wrote during the
+        call (see :mod:`polytrain.lightning.restarts`), other calls run again.
+
         Raises:
-            polytrain.errors.WorkerError: a worker raised (with its rank and traceback).
+            polytrain.errors.WorkerError: a worker raised (with its rank and traceback),
+                or died once the restarts were spent.
             polytrain.errors.InsufficientResourcesError: the workers cannot be placed.
         """
         if trainer is None:
@@ -76,11 +92,40 @@ class RayLauncher(_Launcher):
                 "RayLauncher.launch needs the Trainer (trainer=...): it runs Trainer entry "
                 "points (fit, validate, test, predict) only."
             )
+        # Actors may run in another directory (or on another node): ship absolute paths.
+        _absolutize_paths(trainer)
+        finder = None
+        if self._strategy.max_retries > 0 and _name_of(function) == FIT_ENTRY:
+            # Every group of this call must log and checkpoint into the same directories.
+            pin_logger_versions(trainer)
+            finder = CheckpointFinder.for_trainer(trainer)
+        tune_queue = _make_tune_queue(trainer)
+        try:
+            while True:
+                try:
+                    outputs = self._launch_once(trainer, function, args, kwargs, tune_queue)
+                    break
+                except BaseException as exc:
+                    args, kwargs = self._restart_or_raise(exc, function, args, kwargs, finder)
+        finally:
+            if tune_queue is not None:
+                tune_queue.shutdown()
+        output: _WorkerOutput = outputs[0]
+        _recover_results_in_main_process(output, trainer)
+        return output.trainer_results
+
+    def _launch_once(
+        self,
+        trainer: Any,
+        function: Callable,
+        args: tuple,
+        kwargs: dict[str, Any],
+        tune_queue: Any,
+    ) -> list[_WorkerOutput | None]:
+        """Start a group, connect it, run the entry point on it, tear it down (also on failure)."""
         from polytrain.launchers.factory import make_group  # imports Ray's side lazily
 
         strategy = self._strategy
-        # Actors may run in another directory (or on another node): ship absolute paths.
-        _absolutize_paths(trainer)
         rendezvous = strategy.backend.make_rendezvous()
         group = make_group(
             strategy.scaling,
@@ -89,24 +134,59 @@ class RayLauncher(_Launcher):
         )
         group.start()
         self._group = group
-        tune_queue = None
         try:
             if strategy.init_hook is not None:
                 group.execute(strategy.init_hook)  # before the workers connect
-            tune_queue = _make_tune_queue(trainer)
             ctx = strategy._context_template()
             rendezvous.on_start(group, ctx)
             _ensure_torch_process_group(group, ctx)
-            outputs = _run_on_group(group, trainer, function, args, kwargs, tune_queue)
+            return _run_on_group(group, trainer, function, args, kwargs, tune_queue)
         finally:
             self._group = None
             rendezvous.shutdown(group)  # never raises: shutdown goes on with dead workers
             group.shutdown()
-            if tune_queue is not None:
-                tune_queue.shutdown()
-        output: _WorkerOutput = outputs[0]
-        _recover_results_in_main_process(output, trainer)
-        return output.trainer_results
+
+    def _restart_or_raise(
+        self,
+        error: BaseException,
+        function: Callable,
+        args: tuple,
+        kwargs: dict[str, Any],
+        finder: CheckpointFinder | None,
+    ) -> tuple[tuple, dict[str, Any]]:
+        """After a failed attempt: the next attempt's arguments, or ``error`` raised again.
+
+        A lost worker within the strategy's ``max_retries`` counts a restart; a fit's
+        next attempt resumes from the newest checkpoint of the call, if there is one.
+        """
+        strategy = self._strategy
+        if not should_restart(error, strategy._num_restarts, strategy.max_retries):
+            if isinstance(error, FailurePolicy.retryable):
+                logger.error(
+                    "%s; no restart left (max_retries=%d, %d used).",
+                    describe_loss(error),
+                    strategy.max_retries,
+                    strategy._num_restarts,
+                )
+            raise error
+        strategy._num_restarts += 1
+        if finder is None:
+            source = f"the start of the {_name_of(function).strip('_').removesuffix('_impl')} call"
+        elif (path := finder.newest()) is not None:
+            args, kwargs = with_ckpt_path(function, args, kwargs, path)
+            source = path
+        else:
+            given = ckpt_path_of(function, args, kwargs)
+            start = f"ckpt_path={given!r}" if given else "the start of the fit"
+            source = f"{start} ({finder.describe_none()})"
+        logger.warning(
+            "%s; restart %d of %d from %s.",
+            describe_loss(error),
+            strategy._num_restarts,
+            strategy.max_retries,
+            source,
+        )
+        return args, kwargs
 
     def kill(self, signum: Any) -> None:
         """Stop the workers now (Lightning calls this on a second Ctrl+C)."""
@@ -118,6 +198,10 @@ class RayLauncher(_Launcher):
         state = dict(self.__dict__)
         state["_group"] = None  # actor handles stay with the driver
         return state
+
+
+def _name_of(function: Callable | str) -> str:
+    return function if isinstance(function, str) else getattr(function, "__name__", "")
 
 
 def _worker_env_vars(rendezvous: Rendezvous) -> dict[str, str]:

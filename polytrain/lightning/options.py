@@ -86,6 +86,30 @@ def check_init_hook(strategy_name: str, init_hook: Any) -> Callable[[], None] | 
     return init_hook
 
 
+def check_max_retries(strategy_name: str, max_retries: Any) -> int:
+    """Driver: ``max_retries`` if it is an int >= 0 (as ``FailureConfig.max_retries``).
+
+    Raises:
+        ConfigTypeError: not an int (a bool counts as none).
+        ConfigError: a negative int.
+    """
+    meaning = (
+        "the restarts of the worker group after a lost worker, each resuming the fit from "
+        "the newest Lightning checkpoint; 0 raises at the first loss"
+    )
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int):
+        raise ConfigTypeError(
+            f"{strategy_name}(max_retries=...) must be an int >= 0 ({meaning}); got "
+            f"{type(max_retries).__name__}: {max_retries!r}. Pass e.g. max_retries=3 (the default)."
+        )
+    if max_retries < 0:
+        raise ConfigError(
+            f"{strategy_name}(max_retries=...) must be an int >= 0 ({meaning}); got "
+            f"{max_retries}. Pass max_retries=0 to fail at the first lost worker."
+        )
+    return max_retries
+
+
 def with_ddp_kwargs(
     strategy_name: str, own: list[str], backend: Backend, ddp_kwargs: dict[str, Any]
 ) -> Backend:

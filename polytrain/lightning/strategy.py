@@ -31,10 +31,12 @@ from polytrain.backends.core.context import WorkerContext
 from polytrain.backends.ddp.config import ddp_options
 from polytrain.backends.registry import get_backend
 from polytrain.launchers.scaling import ScalingConfig
+from polytrain.launchers.worker import report_progress
 from polytrain.lightning.collectives import TorchCollectives
 from polytrain.lightning.environment import WorkerGroupEnvironment
 from polytrain.lightning.options import (
     check_init_hook,
+    check_max_retries,
     resolve_scaling,
     scaling_field,
     with_ddp_kwargs,
@@ -55,7 +57,8 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
     call there and tears the group down. Afterwards the driver's LightningModule
     holds rank 0's consolidated weights (``fit``), and ``trainer.callback_metrics``,
     ``trainer.logged_metrics``, the checkpoint callbacks (``best_model_path``) and
-    the loop counters hold rank 0's values.
+    the loop counters hold rank 0's values. A worker lost during a call is replaced by
+    a new group (``max_retries``); a ``fit`` resumes from Lightning's newest checkpoint.
 
     Args:
         backend: a torch backend name or alias ("ddp", "horovod", "fairscale",
@@ -86,6 +89,14 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
         init_hook: a function (no arguments) run on every worker when the group has
             started, before the workers connect and before training: environment
             variables, logging, seeds. It must be picklable (a lambda or closure works).
+        max_retries: restarts of the worker group after a lost worker (killed, out of
+            memory, node gone), over the strategy's life, before the error is raised;
+            0 raises at the first loss. 3 by default, as ``FailureConfig.max_retries``
+            of the trainers. A restarted ``fit`` continues from the newest checkpoint
+            Lightning wrote during the call (a ``ModelCheckpoint``'s ``last.ckpt`` or
+            newest file), or from the start when there is none; ``validate``, ``test``
+            and ``predict`` run again. An exception raised by user code is never
+            retried. See docs/lightning.md, "Lost workers".
         **ddp_kwargs: keyword arguments of ``DistributedDataParallel`` (e.g.
             ``find_unused_parameters=True, bucket_cap_mb=50``), as ray_lightning took
             them; they go to the ``ddp`` backend's ``ddp_kwargs`` (see
@@ -115,9 +126,12 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
         scaling_config: ScalingConfig | dict | None = None,
         num_gpus_per_worker: float | None = None,
         init_hook: Callable[[], None] | None = None,
+        max_retries: int = 3,
         **ddp_kwargs: Any,
     ) -> None:
         name = type(self).__name__
+        self.max_retries = check_max_retries(name, max_retries)
+        self._num_restarts = 0
         self.scaling = resolve_scaling(
             name,
             scaling_config,
@@ -165,6 +179,11 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
     def resources_per_worker(self) -> dict[str, float]:
         """Custom Ray resources per worker (CPU and GPU entries are folded into the fields)."""
         return dict(self.scaling.resources_per_worker or {})
+
+    @property
+    def num_restarts(self) -> int:
+        """Restarts of the worker group after a lost worker so far (at most ``max_retries``)."""
+        return self._num_restarts
 
     @property
     def backend(self) -> Backend:
@@ -287,6 +306,21 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
         self.model.to(self.root_device)
 
     # ------------------------------------------------------------ training step
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Worker: record where training is, for the driver's monitor calls (as the trainers do)."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if self._worker is None or trainer is None:
+            return
+        total = trainer.num_training_batches
+        report_progress(
+            batch_idx,
+            total if isinstance(total, int) else None,  # inf for an iterable without length
+            phase="train",
+            epoch=trainer.current_epoch,
+            global_step=trainer.global_step,
+        )
+
     def _zero_grad(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
         # set_to_none and friends are the backend's call, not the module's. The backend
         # zeroes every gradient it manages (as in the TorchTrainer): its bookkeeping
