@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-long demo bench lint unit docs
+.PHONY: setup test test-long demo bench lint unit docs chaos
 
 setup:            ## install polytrain and every backend into .venv (idempotent)
 	bash scripts/setup.sh
@@ -25,6 +25,9 @@ demo: setup       ## the main job: train the digits example on every installed b
 
 bench: setup      ## side-by-side benchmarks against the native launchers; rewrites benchmarks/RESULTS.md
 	$(PY) benchmarks/run.py
+
+chaos: setup      ## the chaos run: 20 seeded faults per backend (5 torch backends + TFTrainer) on a simulated cluster; figures into RELIABILITY.md
+	PYTHONPATH=. $(PY) benchmarks/chaos.py --faults 20 --seed 0 --out benchmarks/out/chaos --update-reliability RELIABILITY.md
 
 docs: setup       ## build the documentation site into site/ (mkdocs build --strict)
 	$(PY) -m mkdocs build --strict --site-dir site

@@ -169,7 +169,26 @@ def pytest_sessionfinish(session, exitstatus):
     lines += ["", "## Hangs, elastic restarts, bad input", "", "| check | tried | passed |"]
     lines.append("|---|---|---|")
     lines += [_reliability_row(label, *count(pattern)) for pattern, label in rows.items()]
+    generated = [line for line in lines if line.startswith("## ")]
+    lines += _other_reliability_sections(generated)
     (REPO_ROOT / "RELIABILITY.md").write_text("\n".join([*lines, ""]))
+
+
+def _other_reliability_sections(generated: list[str]) -> list[str]:
+    """The sections of RELIABILITY.md that this hook does not write (the chaos run's), kept as they are."""
+    path = REPO_ROOT / "RELIABILITY.md"
+    if not path.exists():
+        return []
+    kept: list[str] = []
+    keep = False
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            keep = line not in generated
+        if keep:
+            kept.append(line)
+    while kept and not kept[-1].strip():
+        kept.pop()
+    return ["", *kept] if kept else []
 
 
 def _reliability_row(label: str, tried: int, passed: int) -> str:
