@@ -120,3 +120,52 @@ def torch_cases(
             baseline=native_key,
         ),
     ]
+
+
+#: polytrain's Lightning strategies in the lightning benchmark: (``--strategy`` of
+#: drivers/polytrain_lightning.py, label, modules the variant needs).
+LIGHTNING_VARIANTS = (
+    ("ddp", "polytrain RayStrategy(num_workers=2) (ddp)", ()),
+    ("horovod", "polytrain RayHorovodStrategy(num_workers=2)", ("horovod",)),
+    ("sharded", "polytrain RayShardedStrategy(num_workers=2) (fairscale)", ("fairscale",)),
+    ("deepspeed", "polytrain RayDeepSpeedStrategy(num_workers=2) (ZeRO-2)", ("deepspeed",)),
+)
+
+
+def lightning_cases(spec: WorkloadSpec, prefix: str = "lightning") -> list[Case]:
+    """Lightning's ``strategy="ddp"`` under torchrun, then polytrain's strategies, on one module.
+
+    Every case trains :class:`benchmarks.native.lightning_native.WorkloadModule` with
+    the same Trainer options; each polytrain case is compared with the torchrun run.
+    A DeepSpeed launch may compile DeepSpeed's communication extension first (once per
+    machine), hence its longer timeout.
+    """
+    s = spec.to_json()
+    native_key = f"{prefix}/native-ddp"
+    cases = [
+        Case(
+            native_key,
+            'torchrun + Lightning Trainer(strategy="ddp")',
+            "lightning",
+            "native",
+            [(_torchrun("native/lightning_native.py", "--spec", s), {})],
+            spec,
+            ("pytorch_lightning",),
+        )
+    ]
+    for variant, label, requires in LIGHTNING_VARIANTS:
+        argv = _py("drivers/polytrain_lightning.py", "--strategy", variant, "--spec", s)
+        cases.append(
+            Case(
+                f"{prefix}/polytrain-{variant}",
+                label,
+                "lightning",
+                "polytrain",
+                [(argv, {})],
+                spec,
+                ("pytorch_lightning", *requires),
+                600.0 if variant == "deepspeed" else 300.0,
+                baseline=native_key,
+            )
+        )
+    return cases

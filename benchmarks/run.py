@@ -14,7 +14,8 @@ Usage::
     python benchmarks/run.py --only warm     # start-up: cold path per phase, warm workers
 
 ``--only`` takes: ddp, raytrain, horovod, fairscale, deepspeed, fsdp, tf, warm
-(see :mod:`benchmarks.warm_section`), launch (:mod:`benchmarks.launch_section`).
+(see :mod:`benchmarks.warm_section`), launch (:mod:`benchmarks.launch_section`),
+lightning (:mod:`benchmarks.lightning_section`).
 The GPT-2 suites (memory per rank and speed on a transformer) are
 :mod:`benchmarks.lm_bench`; their tables (:mod:`benchmarks.lm_report`) are part of
 :func:`render`, so ``--render-only`` rebuilds them too.
@@ -60,11 +61,22 @@ OUT = BENCH / "out"
 RESULTS = BENCH / "RESULTS.md"
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import launch_section, warm_section  # noqa: E402
+from benchmarks import launch_section, lightning_section, warm_section  # noqa: E402
 from benchmarks.cases import Case, _free_ports, _py, torch_cases  # noqa: E402
 from benchmarks.workload import NUM_WORKERS, WorkloadSpec  # noqa: E402
 
-TAGS = ("ddp", "raytrain", "horovod", "fairscale", "deepspeed", "fsdp", "tf", "warm", "launch")
+TAGS = (
+    "ddp",
+    "raytrain",
+    "horovod",
+    "fairscale",
+    "deepspeed",
+    "fsdp",
+    "tf",
+    "warm",
+    "launch",
+    "lightning",
+)
 
 
 def build_sections(args: argparse.Namespace) -> dict[str, list[list[Case]]]:
@@ -137,6 +149,7 @@ def build_sections(args: argparse.Namespace) -> dict[str, list[list[Case]]]:
         "tf": [tf_cases],
         "warm": warm_section.groups(args.warm_steps),
         "launch": launch_section.groups(core),
+        "lightning": lightning_section.groups(core),
     }
 
 
@@ -635,6 +648,11 @@ def render(all_results: dict[str, dict[str, Any]]) -> str:
     launch = all_results.get("launch")
     if launch:
         out += launch_section.render(launch, _meta_line(launch), render_time_table)
+    lightning = all_results.get("lightning")
+    if lightning:
+        out += lightning_section.render(
+            lightning, _meta_line(lightning), render_time_table, aggregate
+        )
     from benchmarks import lm_report  # it imports this module's helpers
 
     out += lm_report.render(all_results)
