@@ -425,6 +425,10 @@ class ChaosRun:
             return False
         if not self.state.steps or self.state.steps[-1][0] <= self._effect_t:
             return False  # the restarted group has not trained a step yet
+        if self.state.steps[-1][1] < self.state.max_step:
+            # Still training again the steps a rollback took back: they belong to the fault
+            # before, and the next one waits until the run is past where it was.
+            return False
         if any(d["deadline"] is not None and not d["settled"] for d in self.state.drained.values()):
             return False  # a drain's deadline is still to come: one fault at a time
         if self.state.stopped and not all(s.get("settled") for s in self.state.stopped):
