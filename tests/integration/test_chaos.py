@@ -45,7 +45,7 @@ def chaos(request, tmp_path_factory) -> dict:
     command = [
         sys.executable, str(SCRIPT), "--backends", backend, "--faults", str(len(kinds)),
         "--kinds", ",".join(kinds), "--seed", "0", "--out", str(out), "--gap", "8",
-        "--tail", "8", "--every-n-steps", str(EVERY_N_STEPS), "--hang-timeout-s", "4",
+        "--tail", "30", "--every-n-steps", str(EVERY_N_STEPS), "--hang-timeout-s", "4",
         "--drain-deadline-s", "8",
     ]  # fmt: skip
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=570)
