@@ -285,9 +285,32 @@ def check_node_loss(
     }
 
 
+def _replace_node(cluster, nodes: dict, ip: str) -> None:
+    """A drained node stays draining: a fresh node takes its address for the checks after."""
+    cluster.remove_node(nodes[ip])
+    nodes[ip] = cluster.add_node(num_cpus=2, node_ip_address=ip)
+    cluster.wait_for_nodes()
+
+
+def _drain_record(victim, drained, before, after, counts, stats) -> dict:
+    """What every drain check reports: the node, the workers before / after, the counts, the calls."""
+    import ray
+
+    return {
+        "victim": victim,
+        "drained": drained,
+        "before": before,
+        "after": after,
+        "draining_now": sorted(ray._private.state.state.get_draining_nodes()),
+        **counts,
+        "epochs": [s.get("epoch") for s in stats],
+        "num_steps": [s.get("num_steps") for s in stats],
+        "num_workers": [s.get("num_workers") for s in stats],
+    }
+
+
 def check_drain(cluster, nodes: dict, tmp: Path) -> dict:
     """Drain the node of rank 1 mid-epoch 0 of 2 (elastic, ``max_retries=0``); training must move off it."""
-    import ray
 
     marker, batch_log = tmp / "drain-marker", tmp / "drain-batches.txt"
     handler = _Lines()
@@ -329,22 +352,12 @@ def check_drain(cluster, nodes: dict, tmp: Path) -> dict:
     finally:
         trainer.shutdown()
         logging.getLogger("polytrain").removeHandler(handler)
-        if "at" in drained:  # a drained node stays draining: replace it
-            cluster.remove_node(nodes[victim_ip])
-            nodes[victim_ip] = cluster.add_node(num_cpus=2, node_ip_address=victim_ip)
-            cluster.wait_for_nodes()
+        if "at" in drained:
+            _replace_node(cluster, nodes, victim_ip)
     from tests.helpers import max_param_diff, plain_reference
 
     return {
-        "victim": victim,
-        "drained": drained,
-        "before": before,
-        "after": after,
-        "draining_now": sorted(ray._private.state.state.get_draining_nodes()),
-        **counts,
-        "epochs": [s.get("epoch") for s in stats],
-        "num_steps": [s.get("num_steps") for s in stats],
-        "num_workers": [s.get("num_workers") for s in stats],
+        **_drain_record(victim, drained, before, after, counts, stats),
         "batches": [line.split() for line in batch_log.read_text().splitlines()],
         "log": handler.lines,
         "max_diff": max_param_diff(model, plain_reference(2 * STEPS_PER_EPOCH, 32)),
@@ -353,7 +366,6 @@ def check_drain(cluster, nodes: dict, tmp: Path) -> dict:
 
 def check_tf_drain(cluster, nodes: dict, tmp: Path) -> dict:
     """TFTrainer (whole-epoch calls): the node of rank 1 drains during epoch 0; left at its end."""
-    import ray
 
     from examples import tf_digits
     from polytrain import TFTrainer
@@ -393,22 +405,9 @@ def check_tf_drain(cluster, nodes: dict, tmp: Path) -> dict:
     finally:
         trainer.shutdown()
         logging.getLogger("polytrain").removeHandler(handler)
-        if "accepted" in drained:  # a drained node stays draining: replace it
-            cluster.remove_node(nodes[victim_ip])
-            nodes[victim_ip] = cluster.add_node(num_cpus=2, node_ip_address=victim_ip)
-            cluster.wait_for_nodes()
-    return {
-        "victim": victim,
-        "drained": drained,
-        "before": before,
-        "after": after,
-        "draining_now": sorted(ray._private.state.state.get_draining_nodes()),
-        **counts,
-        "epochs": [s.get("epoch") for s in stats],
-        "num_steps": [s.get("num_steps") for s in stats],
-        "num_workers": [s.get("num_workers") for s in stats],
-        "log": handler.lines,
-    }
+        if "accepted" in drained:
+            _replace_node(cluster, nodes, victim_ip)
+    return {**_drain_record(victim, drained, before, after, counts, stats), "log": handler.lines}
 
 
 def _guarded(fn, *args) -> dict:
