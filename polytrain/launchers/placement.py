@@ -8,12 +8,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from polytrain.errors import (
     InsufficientResourcesError,
     WorkerDiedError,
     WorkerError,
+    WorkerHangError,
     worker_error_like,
 )
 from polytrain.launchers.cluster import autoscaler
@@ -140,7 +141,8 @@ def classify_failure(
     error ("connection closed by peer"); that is a symptom. A quick liveness probe
     (``ping_all``: every worker's answer or exception) finds the worker that really
     died, so the failure is reported (and retried) as a lost worker rather than as
-    an application error.
+    an application error. A peer that does not answer the probe twice (a stopped
+    or frozen process) is blamed the same way, as a hung worker.
     """
 
     def meta(r: int) -> WorkerMetadata | None:
@@ -149,12 +151,39 @@ def classify_failure(
     error = describe_failure(exc, rank, meta(rank))
     if isinstance(error, WorkerDiedError):
         return error
-    for other, answer in enumerate(ping_all()):
+    answers = ping_all()
+    for other, answer in enumerate(answers):
         if isinstance(answer, RayActorError):
             died = describe_failure(answer, other, meta(other))
             died.args = (f"{died.args[0]}\n(rank {rank} then failed with: {error.args[0][:2000]})",)
             return died
+    silent = _silent_ranks(answers, rank)
+    if silent:
+        # Every actor answers pings from its monitor thread, even inside a stuck
+        # collective: only a stopped (SIGSTOP) or frozen process stays silent. Its
+        # peers may fail first (TensorFlow's coordination service aborts their
+        # collectives after ~10 s): that is a symptom of the silent worker, which a
+        # restart cures. A second probe rules out a worker that was merely slow.
+        silent &= _silent_ranks(ping_all(), rank)
+    if silent:
+        other = min(silent)
+        where = f" (pid {meta(other).pid} on {meta(other).node_ip})" if meta(other) else ""
+        return WorkerHangError(
+            f"Worker rank {other}{where} does not answer: its process is stopped or frozen "
+            f"(no reply to two liveness probes).\n"
+            f"(rank {rank} then failed with: {error.args[0][:2000]})",
+            rank=other,
+        )
     return error
+
+
+def _silent_ranks(answers: Sequence[Any], failed_rank: int) -> set[int]:
+    """The ranks other than ``failed_rank`` whose liveness probe timed out."""
+    return {
+        other
+        for other, answer in enumerate(answers)
+        if other != failed_rank and isinstance(answer, GetTimeoutError)
+    }
 
 
 def request_workers(bundle: Mapping[str, float], count: int) -> bool:
