@@ -187,6 +187,41 @@ def test_hang_watchdog_names_the_stuck_rank_and_carries_every_stack():
     assert "--- rank 0 ---" in info.value.remote_traceback
 
 
+class _StoppedRankGroup(_FrozenGroup):
+    """Rank 1's process is stopped (SIGSTOP): its monitor calls never come back."""
+
+    def monitor_single_async(self, rank: int, method: str) -> Any:
+        return None if rank == 1 else _Done(self.monitor(method)[rank])
+
+    def poll(self, ref: Any) -> tuple[bool, Any]:
+        return (False, None) if ref is None else (True, ref.value)
+
+
+def test_hang_watchdog_blames_a_stopped_process_at_once_and_says_so(monkeypatch):
+    from polytrain.trainer_api.policies import watchdog as watchdog_module
+
+    monkeypatch.setattr(watchdog_module, "SILENT_AFTER_S", 0.1)
+    monkeypatch.setattr(watchdog_module, "REPORT_WAIT_S", 30.0)
+    group = _StoppedRankGroup()
+    group.progress[0]["step"] = 2  # the stopped rank is not the one furthest behind
+    watchdog = HangWatchdog(group, timeout_s=0.2)
+    watchdog.poll()  # asks; rank 1 never answers
+    time.sleep(0.3)
+    started = time.monotonic()
+    with pytest.raises(WorkerHangError) as info:
+        watchdog.poll()
+    # Known silent from its unanswered probe: the report does not wait REPORT_WAIT_S for it.
+    assert time.monotonic() - started < 5.0
+    assert info.value.rank == 1
+    message = str(info.value)
+    assert "Stuck: rank 1 (no answer: its process is stopped or frozen)" in message
+    assert "at )" not in message
+    assert "rank 0: phase train, epoch 0, step 2, stuck at File" in message
+    assert (
+        "--- rank 1 ---\nno answer: its process is stopped or frozen" in info.value.remote_traceback
+    )
+
+
 def test_hang_watchdog_is_quiet_while_progress_moves():
     group = _FrozenGroup()
     watchdog = HangWatchdog(group, timeout_s=0.2)
