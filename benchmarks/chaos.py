@@ -243,7 +243,7 @@ class Options:
 
     every_n_steps: int = 4
     step_sleep_s: float = 0.05
-    hang_timeout_s: float | None = None  # None: 8 s for torch, 6 s for TensorFlow
+    hang_timeout_s: float | None = None  # None: 8 s
     drain_deadline_s: float = 10.0
     driver_timeout_s: float = 900.0
 
@@ -335,10 +335,7 @@ class ChaosRun:
 
     # ---------------------------------------------------------- drivers
     def _driver(self, segment: int) -> subprocess.Popen:
-        # TensorFlow's coordination service fails a frozen worker's peers with
-        # DeadlineExceededError about 10 s in, which polytrain does not retry: the
-        # watchdog must act first (see RELIABILITY.md).
-        hang = self.options.hang_timeout_s or (6.0 if self.framework == "tensorflow" else 8.0)
+        hang = self.options.hang_timeout_s or 8.0
         command = [
             sys.executable, str(DRIVER), "--address", self.sim.address, "--case", self.case,
             "--run-dir", str(self.state.run_dir), "--epochs", str(self.epochs),
