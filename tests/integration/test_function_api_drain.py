@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -228,26 +226,13 @@ def main(out_path: str) -> None:
 # ------------------------------------------------------------------ the tests
 @pytest.fixture(scope="module")
 def drained(tmp_path_factory) -> dict:
+    # Imported here: this file also runs as a script, where tests/ is not importable yet.
+    from tests.integration.fresh_cluster import run_script_on_fresh_cluster
+
     tmp = tmp_path_factory.mktemp("function_api_drain")
-    # Ray's socket paths live under RAY_TMPDIR and must stay below 108 bytes: a short dir.
-    ray_tmp = tempfile.mkdtemp(prefix="ptfd", dir="/tmp")
-    env = {
-        k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAY_AUTH")
-    }
-    env["RAY_TMPDIR"] = ray_tmp
-    out = tmp / "result.json"
-    try:
-        proc = subprocess.run(
-            [sys.executable, __file__, str(out)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert out.exists(), f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    result = json.loads(out.read_text())
+    result = run_script_on_fresh_cluster(
+        __file__, tmp / "result.json", timeout_s=300, prefix="ptfd"
+    )
     assert result["status"] == "ok", result.get("error")
     return result
 

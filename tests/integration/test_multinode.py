@@ -22,16 +22,12 @@ weights as an uninterrupted run.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from polytrain.launchers.network import interface_with_address
+from tests.integration.fresh_cluster import run_script_on_fresh_cluster
 
 SCRIPT = Path(__file__).with_name("multinode_script.py")
 WORKER_IPS = {"127.0.0.2", "127.0.0.3"}
@@ -41,25 +37,7 @@ TORCH_DIST = {"ddp", "fairscale", "fsdp", "deepspeed"}  # one torch.distributed 
 
 def _run_script(tmp_path_factory, *args: str) -> dict:
     tmp = tmp_path_factory.mktemp("multinode")
-    # Ray's socket paths live under RAY_TMPDIR and must stay below 108 bytes: a short dir.
-    ray_tmp = tempfile.mkdtemp(prefix="ptmn", dir="/tmp")
-    env = {
-        k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAY_AUTH")
-    }
-    env["RAY_TMPDIR"] = ray_tmp
-    out = tmp / "result.json"
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(SCRIPT), str(out), *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert out.exists(), f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(out.read_text())
+    return run_script_on_fresh_cluster(SCRIPT, tmp / "result.json", *args)
 
 
 @pytest.fixture(scope="module")
