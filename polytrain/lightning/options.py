@@ -110,6 +110,32 @@ def check_max_retries(strategy_name: str, max_retries: Any) -> int:
     return max_retries
 
 
+def check_max_preemptions(strategy_name: str, max_preemptions: Any) -> int | None:
+    """Driver: ``max_preemptions`` if it is None (unlimited) or an int >= 0 (as ``FailureConfig.max_preemptions``).
+
+    Raises:
+        ConfigTypeError: neither None nor an int (a bool counts as neither).
+        ConfigError: a negative int.
+    """
+    meaning = (
+        "the drained nodes a fit moves off (stopping at a batch, checkpointing, resuming in a "
+        "new group), counted apart from max_retries; None, the default, is unlimited"
+    )
+    if max_preemptions is None:
+        return None
+    if isinstance(max_preemptions, bool) or not isinstance(max_preemptions, int):
+        raise ConfigTypeError(
+            f"{strategy_name}(max_preemptions=...) must be None or an int >= 0 ({meaning}); got "
+            f"{type(max_preemptions).__name__}: {max_preemptions!r}."
+        )
+    if max_preemptions < 0:
+        raise ConfigError(
+            f"{strategy_name}(max_preemptions=...) must be None or an int >= 0 ({meaning}); got "
+            f"{max_preemptions}. Pass max_preemptions=0 to stop at the first drain."
+        )
+    return max_preemptions
+
+
 def with_ddp_kwargs(
     strategy_name: str, own: list[str], backend: Backend, ddp_kwargs: dict[str, Any]
 ) -> Backend:

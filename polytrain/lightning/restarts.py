@@ -153,10 +153,14 @@ class CheckpointFinder:
         self._before = self._scan()
 
     @classmethod
-    def for_trainer(cls, trainer: Any) -> CheckpointFinder:
-        """A finder for the directories of ``trainer``'s checkpoint callbacks."""
+    def for_trainer(cls, trainer: Any, extra: Iterable[str] = ()) -> CheckpointFinder:
+        """A finder for the directories of ``trainer``'s checkpoint callbacks and ``extra`` ones.
+
+        ``extra``: more local directories (the launcher's drain checkpoints).
+        """
         directories, unknown = checkpoint_directories(trainer)
-        return cls(directories, unknown)
+        more = [os.path.abspath(d) for d in extra if "://" not in str(d)]
+        return cls(list(dict.fromkeys(directories + more)), unknown)
 
     def newest(self) -> str | None:
         """The newest complete checkpoint written since the finder was made; None if there is none."""

@@ -22,7 +22,7 @@ from lightning_fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.strategies import ParallelStrategy
-from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
+from pytorch_lightning.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
@@ -36,6 +36,7 @@ from polytrain.lightning.collectives import TorchCollectives
 from polytrain.lightning.environment import WorkerGroupEnvironment
 from polytrain.lightning.options import (
     check_init_hook,
+    check_max_preemptions,
     check_max_retries,
     resolve_scaling,
     scaling_field,
@@ -59,6 +60,9 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
     ``trainer.logged_metrics``, the checkpoint callbacks (``best_model_path``) and
     the loop counters hold rank 0's values. A worker lost during a call is replaced by
     a new group (``max_retries``); a ``fit`` resumes from Lightning's newest checkpoint.
+    A node of the group that drains (a preemption announced by Ray) is left without
+    losing a step: the fit stops at a batch boundary on every worker, checkpoints there
+    and continues in a new group off the node (``max_preemptions``).
 
     Args:
         backend: a torch backend name or alias ("ddp", "horovod", "fairscale",
@@ -97,6 +101,15 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
             newest file), or from the start when there is none; ``validate``, ``test``
             and ``predict`` run again. An exception raised by user code is never
             retried. See docs/lightning.md, "Lost workers".
+        max_preemptions: drained nodes (Ray's announced preemptions) a call may move off,
+            over the strategy's life, counted apart from ``max_retries``; None (the
+            default) is unlimited, as ``FailureConfig.max_preemptions``. A ``fit`` stops at
+            the next batch boundary on every worker, writes a checkpoint there (under
+            ``<default_root_dir>/drain_checkpoints``, with the train loaders' position) and
+            continues from it in a new group off the node, with no step lost or repeated;
+            ``validate``, ``test`` and ``predict`` run again off the node. The drain past
+            the limit still checkpoints, then raises ``PreemptedError`` with the path.
+            See docs/lightning.md, "Drained nodes".
         **ddp_kwargs: keyword arguments of ``DistributedDataParallel`` (e.g.
             ``find_unused_parameters=True, bucket_cap_mb=50``), as ray_lightning took
             them; they go to the ``ddp`` backend's ``ddp_kwargs`` (see
@@ -127,11 +140,13 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
         num_gpus_per_worker: float | None = None,
         init_hook: Callable[[], None] | None = None,
         max_retries: int = 3,
+        max_preemptions: int | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         name = type(self).__name__
         self.max_retries = check_max_retries(name, max_retries)
-        self._num_restarts = 0
+        self.max_preemptions = check_max_preemptions(name, max_preemptions)
+        self._num_restarts = self._num_preemptions = 0
         self.scaling = resolve_scaling(
             name,
             scaling_config,
@@ -166,6 +181,9 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
         self._worker: WorkerSide | None = None
         self._final_model_state: dict[str, Any] | None = None
 
+    #: Worker: the train loaders' positions in checkpoints (the launcher sets it for a fit).
+    _loader_positions: Any = None
+
     # ------------------------------------------------------------ properties
     num_workers = scaling_field("num_workers", "How many Ray actors train.")
     use_gpu = scaling_field("use_gpu", "Whether every worker trains on a GPU of its own.")
@@ -184,6 +202,11 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
     def num_restarts(self) -> int:
         """Restarts of the worker group after a lost worker so far (at most ``max_retries``)."""
         return self._num_restarts
+
+    @property
+    def num_preemptions(self) -> int:
+        """Drained nodes moved off so far (at most ``max_preemptions``; not in ``num_restarts``)."""
+        return self._num_preemptions
 
     @property
     def backend(self) -> Backend:
@@ -299,6 +322,21 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Worker: a train loader of a fit keeps its position in the epoch for checkpoints.
+
+        See :class:`~polytrain.lightning.drains.ResumableLoaders`: the loader counts the
+        batches it yielded this epoch, and a fit resumed from a mid-epoch checkpoint
+        continues with the next batch. Other loaders, and a loader with a
+        ``state_dict`` of its own, are returned as they are.
+        """
+        positions = self._loader_positions
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if positions is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        return positions.track(dataloader)
 
     def model_to_device(self) -> None:
         """Worker: move the module to this worker's device."""

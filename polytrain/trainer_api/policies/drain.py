@@ -105,6 +105,20 @@ class DrainDecision:
         """One line per node: which node, why, and the deadline."""
         return "; ".join(node.describe(self.reason, now_s) for node in self.nodes)
 
+    def describe_ranks(self) -> str:
+        """``rank 1`` or ``ranks 2, 3``: the ranks on the draining nodes, for a log line."""
+        return ranks_phrase(self.ranks)
+
+    def deadline_note(self, now_s: float | None = None) -> str:
+        """``no deadline`` or ``<s> s before the deadline`` (the earliest), for a log line."""
+        left = self.seconds_left(now_s)
+        return "no deadline" if left is None else f"{left:.0f} s before the deadline"
+
+
+def ranks_phrase(ranks: Sequence[int]) -> str:
+    """``rank 1`` or ``ranks 2, 3``, as the drain log lines name the workers."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
 
 def ray_draining_nodes() -> dict[str, int]:
     """Ray's draining nodes: ``{node_id_hex: deadline_ms}`` (0: no deadline)."""
