@@ -36,7 +36,7 @@ from polytrain.train.feed import ReportFeed, Sink, TrackerSink, public
 from polytrain.train.preemption import LoopStopped, PreemptionInfo
 from polytrain.train.result import Result
 from polytrain.trainer_api.options.configs import coerce_config
-from polytrain.trainer_api.policies.drain import preemption_limit
+from polytrain.trainer_api.policies.drain import deadline_phrase, preemption_limit
 from polytrain.trainer_api.trainer import BaseTrainer
 
 logger = logging.getLogger(__name__)
@@ -166,14 +166,13 @@ class _LoopRunner(BaseTrainer):
         self._announced = info
         logger.warning(
             "%s: the loop sees it in train.get_preemption_info() from its next report() on "
-            "(report %d of the run; rank%s %s on the node). Every rank stops at the first "
+            "(report %d of the run; %s on the node). Every rank stops at the first "
             "checkpoint it reports then and the group restarts off the node from it; a loop "
             "that reports none is restarted from its latest checkpoint (%s) once the node is "
             "gone, as after a lost worker (failure_config max_failures=%d).",
             decision.describe(),
             first,
-            "s" if len(decision.ranks) > 1 else "",
-            ", ".join(map(str, decision.ranks)),
+            decision.describe_ranks(),
             self.owner._board_call("latest_checkpoint") or "none yet",
             self.owner.run_config.failure_config.max_failures,
         )
@@ -200,7 +199,7 @@ class _LoopRunner(BaseTrainer):
             nodes,
             checkpoint,
             stop.index,
-            "no deadline" if left is None else f"{left:.0f} s before the deadline",
+            deadline_phrase(left),
         )
         self._teardown_group(force=True)  # not to the warm pool: those on the node would return
         if limit is not None and self._preemptions > limit:

@@ -51,6 +51,7 @@ from polytrain.trainer_api.policies.drain import (
     DrainWatch,
     agree_on_stop,
     ask_workers,
+    deadline_phrase,
     placeable_off_draining,
     preemption_limit,
 )
@@ -528,11 +529,10 @@ class BaseTrainer(abc.ABC):
         decision = self.drain_watch.poll(force=force)
         if decision is not None:
             logger.warning(
-                "%s: the workers (rank%s %s) finish their current %s, checkpoint there and "
+                "%s: the workers (%s) finish their current %s, checkpoint there and "
                 "the group continues without the node.",
                 decision.describe(),
-                "s" if len(decision.ranks) > 1 else "",
-                ", ".join(map(str, decision.ranks)),
+                decision.describe_ranks(),
                 "step" if self.stops_at_steps else "training call (an epoch)",
             )
             nodes = (self._drain.nodes if self._drain else ()) + decision.nodes
@@ -577,7 +577,7 @@ class BaseTrainer(abc.ABC):
             ", ".join(decision.node_ids),
             path or "(kept by the driver)",
             where,
-            "no deadline" if left is None else f"{left:.0f} s before the deadline",
+            deadline_phrase(left),
         )
         if limit is not None and self._preemptions > limit:
             self.shutdown()

@@ -111,8 +111,12 @@ class DrainDecision:
 
     def deadline_note(self, now_s: float | None = None) -> str:
         """``no deadline`` or ``<s> s before the deadline`` (the earliest), for a log line."""
-        left = self.seconds_left(now_s)
-        return "no deadline" if left is None else f"{left:.0f} s before the deadline"
+        return deadline_phrase(self.seconds_left(now_s))
+
+
+def deadline_phrase(seconds_left: float | None) -> str:
+    """``no deadline`` or ``<s> s before the deadline``, as the drain log lines say it."""
+    return "no deadline" if seconds_left is None else f"{seconds_left:.0f} s before the deadline"
 
 
 def ranks_phrase(ranks: Sequence[int]) -> str:
