@@ -243,7 +243,7 @@ class Options:
 
     every_n_steps: int = 4
     step_sleep_s: float = 0.05
-    hang_timeout_s: float | None = None  # None: 8 s
+    hang_timeout_s: float = 8.0
     drain_deadline_s: float = 10.0
     driver_timeout_s: float = 900.0
 
@@ -335,7 +335,7 @@ class ChaosRun:
 
     # ---------------------------------------------------------- drivers
     def _driver(self, segment: int) -> subprocess.Popen:
-        hang = self.options.hang_timeout_s or 8.0
+        hang = self.options.hang_timeout_s
         command = [
             sys.executable, str(DRIVER), "--address", self.sim.address, "--case", self.case,
             "--run-dir", str(self.state.run_dir), "--epochs", str(self.epochs),
@@ -865,7 +865,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default="", help=f"comma-separated subset of {', '.join(KINDS)}")
     parser.add_argument("--every-n-steps", type=int, default=4)
     parser.add_argument("--step-sleep-s", type=float, default=0.05)
-    parser.add_argument("--hang-timeout-s", type=float, default=None)
+    parser.add_argument("--hang-timeout-s", type=float, default=8.0)
     parser.add_argument("--drain-deadline-s", type=float, default=10.0)
     parser.add_argument("--gap", type=int, default=10, help="steps between two scheduled faults")
     parser.add_argument("--tail", type=int, default=8, help="steps after the last fault")

@@ -93,21 +93,15 @@ def check_max_retries(strategy_name: str, max_retries: Any) -> int:
         ConfigTypeError: not an int (a bool counts as none).
         ConfigError: a negative int.
     """
-    meaning = (
-        "the restarts of the worker group after a lost worker, each resuming the fit from "
-        "the newest Lightning checkpoint; 0 raises at the first loss"
+    return _check_count(
+        strategy_name,
+        "max_retries",
+        max_retries,
+        meaning="the restarts of the worker group after a lost worker, each resuming the fit "
+        "from the newest Lightning checkpoint; 0 raises at the first loss",
+        type_fix=" Pass e.g. max_retries=3 (the default).",
+        negative_fix="Pass max_retries=0 to fail at the first lost worker.",
     )
-    if isinstance(max_retries, bool) or not isinstance(max_retries, int):
-        raise ConfigTypeError(
-            f"{strategy_name}(max_retries=...) must be an int >= 0 ({meaning}); got "
-            f"{type(max_retries).__name__}: {max_retries!r}. Pass e.g. max_retries=3 (the default)."
-        )
-    if max_retries < 0:
-        raise ConfigError(
-            f"{strategy_name}(max_retries=...) must be an int >= 0 ({meaning}); got "
-            f"{max_retries}. Pass max_retries=0 to fail at the first lost worker."
-        )
-    return max_retries
 
 
 def check_max_preemptions(strategy_name: str, max_preemptions: Any) -> int | None:
@@ -117,23 +111,42 @@ def check_max_preemptions(strategy_name: str, max_preemptions: Any) -> int | Non
         ConfigTypeError: neither None nor an int (a bool counts as neither).
         ConfigError: a negative int.
     """
-    meaning = (
-        "the drained nodes a fit moves off (stopping at a batch, checkpointing, resuming in a "
-        "new group), counted apart from max_retries; None, the default, is unlimited"
-    )
     if max_preemptions is None:
         return None
-    if isinstance(max_preemptions, bool) or not isinstance(max_preemptions, int):
+    return _check_count(
+        strategy_name,
+        "max_preemptions",
+        max_preemptions,
+        meaning="the drained nodes a fit moves off (stopping at a batch, checkpointing, "
+        "resuming in a new group), counted apart from max_retries; None, the default, is "
+        "unlimited",
+        type_fix="",
+        negative_fix="Pass max_preemptions=0 to stop at the first drain.",
+        allowed="None or an int >= 0",
+    )
+
+
+def _check_count(
+    strategy_name: str,
+    option: str,
+    value: Any,
+    meaning: str,
+    type_fix: str,
+    negative_fix: str,
+    allowed: str = "an int >= 0",
+) -> int:
+    """``value`` if it is an int >= 0 (a bool is not), else an error naming ``option``."""
+    if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigTypeError(
-            f"{strategy_name}(max_preemptions=...) must be None or an int >= 0 ({meaning}); got "
-            f"{type(max_preemptions).__name__}: {max_preemptions!r}."
+            f"{strategy_name}({option}=...) must be {allowed} ({meaning}); got "
+            f"{type(value).__name__}: {value!r}.{type_fix}"
         )
-    if max_preemptions < 0:
+    if value < 0:
         raise ConfigError(
-            f"{strategy_name}(max_preemptions=...) must be None or an int >= 0 ({meaning}); got "
-            f"{max_preemptions}. Pass max_preemptions=0 to stop at the first drain."
+            f"{strategy_name}({option}=...) must be {allowed} ({meaning}); got {value}. "
+            f"{negative_fix}"
         )
-    return max_preemptions
+    return value
 
 
 def with_ddp_kwargs(

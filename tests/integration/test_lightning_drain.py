@@ -138,13 +138,30 @@ def _read(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-def _fit(tmp: Path, name: str, strategy_name: str, drain: bool) -> tuple[dict, object]:
+def _drain_when_marked(marker: Path) -> dict:
+    """Drain the node a worker writes into ``marker``, from a thread; the record fills in then."""
     import threading
     import time
 
-    import pytorch_lightning as pl
-
     from tests.integration.multinode_script import drain_node
+
+    drained: dict = {}
+
+    def drain() -> None:
+        while not marker.exists() or not marker.read_text():
+            time.sleep(0.02)
+        drained["victim"] = marker.read_text()
+        drained["at"] = time.time()
+        drained["accepted"] = list(drain_node(drained["victim"], DEADLINE_S, "lightning test"))
+
+    threading.Thread(target=drain, daemon=True).start()
+    return drained
+
+
+def _fit(tmp: Path, name: str, strategy_name: str, drain: bool) -> tuple[dict, object]:
+    import time
+
+    import pytorch_lightning as pl
 
     files = {key: str(tmp / f"{name}-{key}") for key in ("facts", "history", "marker")}
     strategy = _strategy_class(strategy_name)(
@@ -162,18 +179,7 @@ def _fit(tmp: Path, name: str, strategy_name: str, drain: bool) -> tuple[dict, o
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    drained: dict = {}
-
-    def drain_when_marked() -> None:
-        marker = Path(files["marker"])
-        while not marker.exists() or not marker.read_text():
-            time.sleep(0.02)
-        drained["victim"] = marker.read_text()
-        drained["at"] = time.time()
-        drained["accepted"] = list(drain_node(drained["victim"], DEADLINE_S, "lightning test"))
-
-    if drain:
-        threading.Thread(target=drain_when_marked, daemon=True).start()
+    drained = _drain_when_marked(Path(files["marker"])) if drain else {}
     model = _module_class()[0](files, slow=drain)
     started = time.monotonic()
     trainer.fit(model)
@@ -228,13 +234,11 @@ def _check(tmp: Path, name: str, cluster, nodes: dict, lines: list[str], last: b
 
 def _check_validate(tmp: Path, lines: list[str]) -> dict:
     """``trainer.validate`` on a node that drains: left at once, run again off the node."""
-    import threading
     import time
 
     import pytorch_lightning as pl
 
     from polytrain.lightning import RayStrategy
-    from tests.integration.multinode_script import drain_node
 
     lines.clear()
     files = {key: str(tmp / f"validate-{key}") for key in ("facts", "history", "marker")}
@@ -248,16 +252,7 @@ def _check_validate(tmp: Path, lines: list[str]) -> dict:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    drained: dict = {}
-
-    def drain_when_marked() -> None:
-        marker = Path(files["marker"])
-        while not marker.exists() or not marker.read_text():
-            time.sleep(0.02)
-        drained["victim"] = marker.read_text()
-        drained["accepted"] = list(drain_node(drained["victim"], DEADLINE_S, "lightning test"))
-
-    threading.Thread(target=drain_when_marked, daemon=True).start()
+    drained = _drain_when_marked(Path(files["marker"]))
     started = time.monotonic()
     metrics = trainer.validate(_module_class()[1](files, slow=True))
     return {
