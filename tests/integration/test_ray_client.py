@@ -62,6 +62,22 @@ def _stop(proc: subprocess.Popen) -> None:
         member.kill()
 
 
+def _client_server_logs(client_address: str) -> str:
+    """The proxy's log and the per-client servers' logs, for a failure's message."""
+    import ray
+
+    proxy_log = _PROXY_LOGS.get(client_address)
+    parts = [f"\n--- proxy log ---\n{proxy_log.read_text()[-3000:]}"] if proxy_log else []
+    logs_dir = Path(ray._private.worker._global_node.get_logs_dir_path())
+    for log in sorted(logs_dir.glob("ray_client_server_*.*")):
+        parts.append(f"\n--- {log.name} ---\n{log.read_text(errors='replace')[-2000:]}")
+    return "".join(parts)
+
+
+#: The proxy log of each Ray Client address the fixture started.
+_PROXY_LOGS: dict[str, Path] = {}
+
+
 @pytest.fixture
 def client_address(ray_start_4_cpus, tmp_path):
     """``ray://127.0.0.1:PORT`` of a Ray Client server in front of the session's Ray."""
@@ -79,6 +95,7 @@ def client_address(ray_start_4_cpus, tmp_path):
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
         _wait_for_port(proc, port, log)
+        _PROXY_LOGS[f"ray://127.0.0.1:{port}"] = log
         yield f"ray://127.0.0.1:{port}"
     finally:
         _stop(proc)
@@ -94,7 +111,7 @@ def test_torch_trainer_trains_through_ray_client(client_address):
         timeout=300,
         env=env,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stderr[-4000:] + _client_server_logs(client_address)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["client"] is True  # connected as a Ray Client, not to the GCS directly
     stats, val = result["stats"], result["val"]

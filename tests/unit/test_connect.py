@@ -163,3 +163,78 @@ def test_dead_ray_address_variable_is_named(session_dir, dead_port, monkeypatch)
 def test_malformed_address_is_a_connection_error():
     with pytest.raises(ConnectionError, match="address='not an address'"):
         plan_connection("not an address")
+
+
+_SERVER_START_FAILED = ConnectionAbortedError(
+    "Initialization failure from server:\nTraceback (most recent call last):\n"
+    '  File "proxier.py", line 772, in Datapath\n    raise RuntimeError(\n'
+    "RuntimeError: Starting Ray client server failed. See ray_client_server_23000.err "
+    "for detailed logs.\n"
+)
+
+
+class _ScriptedInit:
+    """Stands in for ``ray.init``: raises the scripted errors in turn, then connects."""
+
+    def __init__(self, *errors: BaseException):
+        self.errors = list(errors)
+        self.calls = 0
+
+    def __call__(self, **kwargs):
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+
+
+def _client_target():
+    from polytrain.launchers.cluster.connect import RayTarget
+
+    return RayTarget(given="ray://127.0.0.1:10001", dial="127.0.0.1:10001")
+
+
+def test_a_client_server_that_died_starting_is_asked_once_more(monkeypatch, caplog):
+    from polytrain.launchers.cluster import connect
+
+    init = _ScriptedInit(_SERVER_START_FAILED)
+    monkeypatch.setattr(connect.ray, "init", init)
+    with caplog.at_level(logging.WARNING, logger=connect.__name__):
+        connect._connect(_client_target(), None, timeout_s=10, via_loopback=False)
+    assert init.calls == 2
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "ray://127.0.0.1:10001" in warning and "connecting once more" in warning
+    assert "Starting Ray client server failed" in warning
+
+
+def test_a_client_server_failing_twice_is_a_connection_error_naming_the_proxys_error(
+    monkeypatch,
+):
+    from polytrain.launchers.cluster import connect
+
+    init = _ScriptedInit(_SERVER_START_FAILED, _SERVER_START_FAILED, _SERVER_START_FAILED)
+    monkeypatch.setattr(connect.ray, "init", init)
+    with pytest.raises(ConnectionError, match="Starting Ray client server failed") as info:
+        connect._connect(_client_target(), None, timeout_s=10, via_loopback=False)
+    assert init.calls == 2  # one retry, not a loop
+    assert "address='ray://127.0.0.1:10001'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "given, error",
+    [
+        (
+            "ray://127.0.0.1:10001",
+            ConnectionAbortedError("Initialization failure: bad runtime_env"),
+        ),
+        ("127.0.0.1:6379", _SERVER_START_FAILED),  # not a Ray Client address
+    ],
+    ids=["other-client-error", "gcs-address"],
+)
+def test_other_connection_errors_are_not_retried(monkeypatch, given, error):
+    from polytrain.launchers.cluster import connect
+
+    init = _ScriptedInit(error)
+    monkeypatch.setattr(connect.ray, "init", init)
+    target = connect.RayTarget(given=given, dial=given.removeprefix("ray://"))
+    with pytest.raises(ConnectionError):
+        connect._connect(target, None, timeout_s=10, via_loopback=False)
+    assert init.calls == 1

@@ -14,6 +14,9 @@ Three things make a plain ``ray.init`` hang instead of failing, and are handled 
 - Whatever still hangs (something that accepts TCP connections but is no Ray
   GCS) is bounded by ``timeout_s``.
 
+A Ray Client proxy (``ray://``) whose server process for this driver died at start-up
+is asked once more within the same bound: it starts a fresh server for a new client.
+
 A local instance listens on 127.0.0.1 only (its GCS, raylet, object manager,
 workers, dashboard and runtime-env agents), and Ray's token authentication stays
 as Ray sets it up (on by default in Ray 2.60).
@@ -26,6 +29,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -268,10 +272,61 @@ class _DropNotMainThreadWarning(logging.Filter):
         return "SIGTERM handler is not set" not in record.getMessage()
 
 
+#: What a Ray Client proxy answers when the server process it starts for one client died
+#: at start-up; the proxy starts a fresh one, on another port, for the next client.
+CLIENT_SERVER_START_FAILED = "Starting Ray client server failed"
+
+
+def _client_server_start_failed(target: RayTarget, exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a Ray Client proxy's report that its per-client server died starting."""
+    return (
+        target.given.startswith("ray://")
+        and isinstance(exc, ConnectionAbortedError)
+        and CLIENT_SERVER_START_FAILED in str(exc)
+    )
+
+
 def _connect(
     target: RayTarget, runtime_env: dict | None, timeout_s: float, via_loopback: bool
 ) -> None:
-    """``ray.init`` on a helper thread, given up after ``timeout_s`` (it may hang for minutes)."""
+    """``ray.init`` on a helper thread, given up after ``timeout_s`` (it may hang for minutes).
+
+    A Ray Client proxy whose server process for this client died at start-up is asked
+    once more within the same bound (a new client gets a new server process); the
+    warning names the proxy's error.
+    """
+    bound = max(timeout_s, MIN_CONNECT_TIMEOUT_S)
+    deadline = time.monotonic() + bound
+    route = f"over the loopback, {target.loopback}" if via_loopback else f"Ray dials {target.dial}"
+    where = f"address={target.given!r} ({route})"
+    outcome = _init_once(target, runtime_env, bound, via_loopback)
+    remaining = deadline - time.monotonic()
+    if _client_server_start_failed(target, outcome.get("error")) and remaining > 1.0:
+        logger.warning(
+            "The Ray Client server at %s could not start a server process for this driver "
+            "(%s); connecting once more.",
+            where,
+            str(outcome["error"]).strip().splitlines()[-1],
+        )
+        outcome = _init_once(target, runtime_env, remaining, via_loopback)
+    if outcome["gave_up"]:
+        raise ConnectionError(
+            f"Could not connect to Ray at {where} within {bound:g} s: something answers "
+            f"there but the connection did not complete. Check that it is a Ray head's GCS "
+            f"port (`ray status` on the head shows it), or raise start_timeout_s."
+        )
+    if "error" in outcome:
+        exc = outcome["error"]
+        raise ConnectionError(
+            f"Could not connect to Ray at {where} ({type(exc).__name__}: {exc}). Check that "
+            f"the cluster is up (`ray status`), or pass address=None to start a local instance."
+        ) from exc
+
+
+def _init_once(
+    target: RayTarget, runtime_env: dict | None, bound_s: float, via_loopback: bool
+) -> dict[str, Any]:
+    """One ``ray.init`` on a helper thread, waited for ``bound_s``: connected, error or gave_up."""
     outcome: dict[str, Any] = {}
     lock = threading.Lock()
 
@@ -292,28 +347,14 @@ def _connect(
     log_filter = _DropNotMainThreadWarning()
     worker_logger.addFilter(log_filter)
     thread = threading.Thread(target=run, name="polytrain-ray-init", daemon=True)
-    bound = max(timeout_s, MIN_CONNECT_TIMEOUT_S)
     try:
         thread.start()
-        thread.join(bound)
+        thread.join(bound_s)
         with lock:
             outcome["gave_up"] = thread.is_alive() and not outcome.get("connected")
     finally:
         worker_logger.removeFilter(log_filter)
-    route = f"over the loopback, {target.loopback}" if via_loopback else f"Ray dials {target.dial}"
-    where = f"address={target.given!r} ({route})"
-    if outcome["gave_up"]:
-        raise ConnectionError(
-            f"Could not connect to Ray at {where} within {bound:g} s: something answers "
-            f"there but the connection did not complete. Check that it is a Ray head's GCS "
-            f"port (`ray status` on the head shows it), or raise start_timeout_s."
-        )
-    if "error" in outcome:
-        exc = outcome["error"]
-        raise ConnectionError(
-            f"Could not connect to Ray at {where} ({type(exc).__name__}: {exc}). Check that "
-            f"the cluster is up (`ray status`), or pass address=None to start a local instance."
-        ) from exc
+    return outcome
 
 
 def placeable_bundles(bundle: dict[str, float]) -> int:
