@@ -307,13 +307,19 @@ def test_workers_that_need_new_nodes_train(fake_cluster):
 before = len(cpu_nodes())
 t = trainer(num_workers=2)
 stats = t.train()
-result({"loss": stats["loss"], "before": before, "nodes": len(cpu_nodes()),
-        "world": world_sizes(t), "num_workers": t.num_workers})
+hosts = t.apply_all_workers(lambda: ray.get_runtime_context().get_node_id())
+result({"loss": stats["loss"], "before": before, "nodes": len(cpu_nodes()), "hosts": hosts,
+        "cpu_nodes": cpu_nodes(), "world": world_sizes(t), "num_workers": t.num_workers})
 t.shutdown()
 """,
         timeout_s=480,
     )
-    assert value["nodes"] == 2 and value["world"] == [2, 2], output[-3000:]
+    # Each 2-CPU worker fills one new 2-CPU node. The number of live nodes is not checked:
+    # under load the fake autoscaler sometimes replaces a node it launched while Ray still
+    # counts the first one alive (3 nodes with max_workers=2, seen once in CI).
+    hosts = value["hosts"]
+    assert len(set(hosts)) == 2 and set(hosts) <= set(value["cpu_nodes"]), output[-3000:]
+    assert value["world"] == [2, 2], output[-3000:]
     assert value["num_workers"] == 2 and math.isfinite(value["loss"])
     lines = _PROGRESS.findall(output)
     # First of the node-adding tests in file order: it starts without worker nodes,
