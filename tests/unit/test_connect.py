@@ -238,3 +238,19 @@ def test_other_connection_errors_are_not_retried(monkeypatch, given, error):
     with pytest.raises(ConnectionError):
         connect._connect(target, None, timeout_s=10, via_loopback=False)
     assert init.calls == 1
+
+
+@pytest.mark.parametrize("given", [None, "auto", "127.0.0.1:6379", "ray://127.0.0.1:10001"])
+def test_a_connection_that_succeeds_is_made_once_whatever_the_address(monkeypatch, given):
+    """``given`` is None when the address comes from RAY_ADDRESS or a session file."""
+    from polytrain.launchers.cluster import connect
+
+    init = _ScriptedInit()
+    monkeypatch.setattr(connect.ray, "init", init)
+    connect._connect(
+        connect.RayTarget(given=given, dial="127.0.0.1:6379"),
+        None,
+        timeout_s=10,
+        via_loopback=False,
+    )
+    assert init.calls == 1

@@ -280,8 +280,8 @@ CLIENT_SERVER_START_FAILED = "Starting Ray client server failed"
 def _client_server_start_failed(target: RayTarget, exc: BaseException | None) -> bool:
     """Whether ``exc`` is a Ray Client proxy's report that its per-client server died starting."""
     return (
-        target.given.startswith("ray://")
-        and isinstance(exc, ConnectionAbortedError)
+        isinstance(exc, ConnectionAbortedError)
+        and (target.given or "").startswith("ray://")
         and CLIENT_SERVER_START_FAILED in str(exc)
     )
 
