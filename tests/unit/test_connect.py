@@ -192,16 +192,20 @@ def _client_target():
     return RayTarget(given="ray://127.0.0.1:10001", dial="127.0.0.1:10001")
 
 
-def test_a_client_server_that_died_starting_is_asked_once_more(monkeypatch, caplog):
+@pytest.mark.parametrize("source", ["argument", "RAY_ADDRESS"])
+def test_a_client_server_that_died_starting_is_asked_once_more(monkeypatch, caplog, source):
     from polytrain.launchers.cluster import connect
 
     init = _ScriptedInit(_SERVER_START_FAILED)
     monkeypatch.setattr(connect.ray, "init", init)
+    target = _client_target()
+    if source == "RAY_ADDRESS":  # address=None, RAY_ADDRESS=ray://...
+        target = connect.RayTarget(None, target.dial, source=source, recorded=target.given)
     with caplog.at_level(logging.WARNING, logger=connect.__name__):
-        connect._connect(_client_target(), None, timeout_s=10, via_loopback=False)
+        connect._connect(target, None, timeout_s=10, via_loopback=False)
     assert init.calls == 2
     [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert "ray://127.0.0.1:10001" in warning and "connecting once more" in warning
+    assert "connecting once more" in warning
     assert "Starting Ray client server failed" in warning
 
 

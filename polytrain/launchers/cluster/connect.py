@@ -281,7 +281,7 @@ def _client_server_start_failed(target: RayTarget, exc: BaseException | None) ->
     """Whether ``exc`` is a Ray Client proxy's report that its per-client server died starting."""
     return (
         isinstance(exc, ConnectionAbortedError)
-        and (target.given or "").startswith("ray://")
+        and any((a or "").startswith("ray://") for a in (target.given, target.recorded))
         and CLIENT_SERVER_START_FAILED in str(exc)
     )
 
