@@ -99,7 +99,7 @@ def check_max_retries(strategy_name: str, max_retries: Any) -> int:
         max_retries,
         meaning="the restarts of the worker group after a lost worker, each resuming the fit "
         "from the newest Lightning checkpoint; 0 raises at the first loss",
-        type_fix=" Pass e.g. max_retries=3 (the default).",
+        type_fix="Pass e.g. max_retries=3 (the default).",
         negative_fix="Pass max_retries=0 to fail at the first lost worker.",
     )
 
@@ -120,7 +120,6 @@ def check_max_preemptions(strategy_name: str, max_preemptions: Any) -> int | Non
         meaning="the drained nodes a fit moves off (stopping at a batch, checkpointing, "
         "resuming in a new group), counted apart from max_retries; None, the default, is "
         "unlimited",
-        type_fix="",
         negative_fix="Pass max_preemptions=0 to stop at the first drain.",
         allowed="None or an int >= 0",
     )
@@ -131,15 +130,15 @@ def _check_count(
     option: str,
     value: Any,
     meaning: str,
-    type_fix: str,
     negative_fix: str,
+    type_fix: str = "",
     allowed: str = "an int >= 0",
 ) -> int:
     """``value`` if it is an int >= 0 (a bool is not), else an error naming ``option``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigTypeError(
             f"{strategy_name}({option}=...) must be {allowed} ({meaning}); got "
-            f"{type(value).__name__}: {value!r}.{type_fix}"
+            f"{type(value).__name__}: {value!r}." + (f" {type_fix}" if type_fix else "")
         )
     if value < 0:
         raise ConfigError(

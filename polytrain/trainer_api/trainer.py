@@ -51,7 +51,6 @@ from polytrain.trainer_api.policies.drain import (
     DrainWatch,
     agree_on_stop,
     ask_workers,
-    deadline_phrase,
     placeable_off_draining,
     preemption_limit,
 )
@@ -567,7 +566,6 @@ class BaseTrainer(abc.ABC):
         self._preemptions += 1
         limit = self.failure.max_preemptions
         path = self._checkpoint_for_drain()
-        left = decision.seconds_left()
         where = f"epoch {self.epoch}, batch {self._epoch_step}"
         logger.warning(
             "Preemption %d (failure_config max_preemptions=%s) of node %s: checkpoint %s holds "
@@ -577,7 +575,7 @@ class BaseTrainer(abc.ABC):
             ", ".join(decision.node_ids),
             path or "(kept by the driver)",
             where,
-            deadline_phrase(left),
+            decision.deadline_note(),
         )
         if limit is not None and self._preemptions > limit:
             self.shutdown()

@@ -24,6 +24,8 @@ import psutil
 import pytest
 
 DRIVER = Path(__file__).with_name("ray_client_driver.py")
+#: The proxy's log, in the test's tmp_path (the fixture's and the test's are one folder).
+PROXY_LOG = "client_server.log"
 
 
 def _free_port() -> int:
@@ -62,20 +64,15 @@ def _stop(proc: subprocess.Popen) -> None:
         member.kill()
 
 
-def _client_server_logs(client_address: str) -> str:
+def _client_server_logs(proxy_log: Path) -> str:
     """The proxy's log and the per-client servers' logs, for a failure's message."""
     import ray
 
-    proxy_log = _PROXY_LOGS.get(client_address)
-    parts = [f"\n--- proxy log ---\n{proxy_log.read_text()[-3000:]}"] if proxy_log else []
+    parts = [f"\n--- proxy log ---\n{proxy_log.read_text()[-3000:]}"]
     logs_dir = Path(ray._private.worker._global_node.get_logs_dir_path())
     for log in sorted(logs_dir.glob("ray_client_server_*.*")):
         parts.append(f"\n--- {log.name} ---\n{log.read_text(errors='replace')[-2000:]}")
     return "".join(parts)
-
-
-#: The proxy log of each Ray Client address the fixture started.
-_PROXY_LOGS: dict[str, Path] = {}
 
 
 @pytest.fixture
@@ -90,18 +87,17 @@ def client_address(ray_start_4_cpus, tmp_path):
         f"--runtime-env-agent-address={node.runtime_env_agent_address}",
         f"--node-id={ray.get_runtime_context().get_node_id()}",
     ]  # fmt: skip
-    log = tmp_path / "client_server.log"
+    log = tmp_path / PROXY_LOG
     with open(log, "w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
         _wait_for_port(proc, port, log)
-        _PROXY_LOGS[f"ray://127.0.0.1:{port}"] = log
         yield f"ray://127.0.0.1:{port}"
     finally:
         _stop(proc)
 
 
-def test_torch_trainer_trains_through_ray_client(client_address):
+def test_torch_trainer_trains_through_ray_client(client_address, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     started = time.monotonic()
     proc = subprocess.run(
@@ -111,7 +107,7 @@ def test_torch_trainer_trains_through_ray_client(client_address):
         timeout=300,
         env=env,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:] + _client_server_logs(client_address)
+    assert proc.returncode == 0, proc.stderr[-4000:] + _client_server_logs(tmp_path / PROXY_LOG)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["client"] is True  # connected as a Ray Client, not to the GCS directly
     stats, val = result["stats"], result["val"]
