@@ -120,18 +120,18 @@ class MissingDependencyError(PolytrainError, ImportError):
     """An optional framework that a requested feature needs is not installed."""
 
 
-class PreemptedError(PolytrainError, RuntimeError):
-    """Training stopped on a termination signal (SIGTERM: Slurm preemption, a pod eviction).
+class RunStoppedError(PolytrainError, RuntimeError):
+    """The run stopped before its end, from outside, and can continue from a checkpoint.
 
-    Raised by ``train()`` once the workers' checkpoint at the stop (the data position
-    and random states) is committed and the trainer is shut down; the same script
-    with ``resume=True`` (``polytrain train --resume``) continues with no step lost.
+    The base of :class:`TerminatedError` (the driver's termination signal) and
+    :class:`DrainLimitError` (more drains than the drain limit allows).
+    ``PreemptedError`` is its former name, still importable and caught the same way.
 
     Attributes:
         checkpoint_path: the committed checkpoint to resume from (None if its write failed).
-        signal_number: the signal received.
+        signal_number: the signal received (15 unless a termination signal says otherwise).
         exit_code: the exit status a script should end with: 143 (128 + SIGTERM), what
-            ``polytrain train`` returns.
+            ``polytrain train`` returns, so that a scheduler requeues the job.
     """
 
     exit_code = 143
@@ -142,3 +142,27 @@ class PreemptedError(PolytrainError, RuntimeError):
         super().__init__(message)
         self.checkpoint_path = checkpoint_path
         self.signal_number = signal_number
+
+
+class TerminatedError(RunStoppedError):
+    """Training stopped on the driver's termination signal (SIGTERM: a Slurm time limit, a pod eviction).
+
+    Raised by ``train()`` once the workers' checkpoint at the stop (the data position
+    and random states) is committed and the trainer is shut down; the same script
+    with ``resume=True`` (``polytrain train --resume``) continues with no step lost.
+    """
+
+
+class DrainLimitError(RunStoppedError):
+    """A node of the group drained once more than the drain limit allows.
+
+    The group still stopped at a step and checkpointed there (``checkpoint_path``);
+    the run is stopped instead of moving off the node. Raise the limit
+    (``failure_config max_drains``, a strategy's ``max_drains``, Ray Train's
+    ``max_preemption_failures``) or resume from the checkpoint.
+    """
+
+
+#: The former name of :class:`RunStoppedError` (catches both kinds of stop); kept so that
+#: existing ``except PreemptedError`` code keeps working.
+PreemptedError = RunStoppedError

@@ -14,7 +14,7 @@ import argparse
 
 def cmd_launch(args: argparse.Namespace) -> int:
     """Run the script on ``-n`` workers; exit with the first failing rank's code (130 on Ctrl-C)."""
-    from polytrain.train.launch import launch
+    from polytrain.cli.launch_runner import launch
 
     return launch(
         args.script,

@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``polytrain`` command; returns its exit status."""
     from polytrain.compat import quiet
-    from polytrain.errors import ConfigError, PolytrainError, PreemptedError
+    from polytrain.errors import ConfigError, PolytrainError, RunStoppedError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -216,9 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--env takes KEY=VALUE; got {bad}")
     try:
         return args.func(args)
-    except PreemptedError as exc:
-        # SIGTERM (Slurm preemption, a pod eviction): the checkpoint at the stop is
-        # committed; the same command with --resume continues there.
+    except RunStoppedError as exc:
+        # The driver's SIGTERM (a Slurm time limit, a pod eviction) or one drain too many:
+        # the checkpoint at the stop is committed; the same command with --resume continues.
         print_error(str(exc))
         return exc.exit_code
     except (PolytrainError, ConnectionError, ValueError, ImportError, FileNotFoundError) as exc:

@@ -6,7 +6,7 @@ the same way. Ray is imported only for a Ray group: local mode never touches it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.cluster.autoscaler import START_TIMEOUT_S
@@ -64,13 +64,14 @@ def make_group(
     )
 
 
-def placeable_workers(scaling: ScalingConfig) -> int:
+def placeable_workers(scaling: ScalingConfig, excluded_nodes: Iterable[str] = ()) -> int:
     """How many more workers shaped like ``scaling``'s the cluster's free resources hold now.
 
-    Local mode holds none: it has no cluster.
+    Nodes in ``excluded_nodes`` (draining ones) are not counted. Local mode holds
+    none: it has no cluster.
     """
     if scaling.local_mode:
         return 0
     from polytrain.launchers.cluster.connect import placeable_bundles
 
-    return placeable_bundles(scaling.worker_bundle())
+    return placeable_bundles(scaling.worker_bundle(), excluded_nodes)

@@ -139,6 +139,38 @@ class ScalingConfig:
         bundle.update(self.resources_per_worker or {})
         return bundle
 
+    def trial_bundles(
+        self, trainable_resources: dict[str, float] | None = None
+    ) -> list[dict[str, float]]:
+        """A Ray Tune trial's placement group: bundle 0 for the trial's process, one per worker.
+
+        Every front end's Tune trial (the trainers, the function API, the Lightning
+        strategies) reserves this shape; the worker group started inside the trial
+        fills bundles 1..n (:func:`~polytrain.launchers.placement.trial_placement_group`).
+
+        Args:
+            trainable_resources: bundle 0 (default ``{"CPU": 1}``).
+
+        Raises:
+            ConfigError: local mode (``num_workers=0``), which has no workers to place, or
+                an empty ``trainable_resources``.
+        """
+        if self.local_mode:
+            raise ConfigError(
+                "num_workers must be an int >= 1 for a Tune trial; got 0 (local mode, which "
+                "trains inside the trial's process and has no workers to place). Set "
+                "num_workers >= 1 (in the trainer or in param_space['scaling_config']), or give "
+                "the trainable its resources with tune.with_resources directly."
+            )
+        head = dict(trainable_resources) if trainable_resources is not None else {"CPU": 1.0}
+        if not any(amount > 0 for amount in head.values()):
+            raise ConfigError(
+                f"trainable_resources must reserve something (e.g. {{'CPU': 1}}); got {head!r}. "
+                f"Tune drops an empty bundle 0, and the workers would then look for their "
+                f"bundles in the wrong places."
+            )
+        return [head] + [self.worker_bundle() for _ in range(self.num_workers)]
+
     def _fold_resources(self) -> None:
         """Move ``resources_per_worker``'s CPU/GPU entries into the typed fields; settle use_gpu."""
         resources = _check_resources(self.resources_per_worker)

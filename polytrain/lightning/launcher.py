@@ -1,73 +1,62 @@
-"""The Lightning launcher that runs a Trainer entry point on a polytrain worker group."""
+"""The Lightning launcher: a Trainer entry point on a polytrain worker group, on the run loop.
+
+Every ``fit`` / ``validate`` / ``test`` / ``predict`` call is one run of the run loop
+(:mod:`polytrain.runs.loop`): a fresh group (``make_group`` and the backend's
+rendezvous), the entry point on every worker (:mod:`polytrain.lightning.worker_entry`),
+the group torn down at the end. The run loop restarts it after a lost worker
+(the strategy's ``max_retries``) and moves it off a draining node (``max_drains``)
+as it does for every front end; this module says what the call's workers run and
+where a restarted call resumes: a ``fit`` from the newest checkpoint Lightning
+wrote during the call (:mod:`polytrain.lightning.restarts`) or from the checkpoint
+it wrote at a drain (:mod:`polytrain.lightning.drain_stop`).
+"""
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from lightning_fabric.utilities import move_data_to_device
 from pytorch_lightning.strategies.launchers.launcher import _Launcher
-from pytorch_lightning.trainer.states import TrainerFn, TrainerState
 
 from polytrain.backends.core.context import WorkerContext
-from polytrain.backends.core.rendezvous import Rendezvous
 from polytrain.backends.core.torch_distributed import start_process_group
-from polytrain.errors import PolytrainError, PreemptedError
+from polytrain.errors import RunStoppedError
 from polytrain.launchers.base import WorkerGroup
-from polytrain.launchers.worker import STOP_HANDLER, WORKER_STATE
-from polytrain.lightning import drains
+from polytrain.lightning import drain_stop
 from polytrain.lightning.restarts import (
     FIT_ENTRY,
     CheckpointFinder,
+    call_name,
     ckpt_path_of,
-    describe_loss,
+    entry_name,
     pin_logger_versions,
-    should_restart,
     with_ckpt_path,
 )
-from polytrain.lightning.tune import TUNE_QUEUE_KEY, TuneReportCallback, deliver_report
-from polytrain.trainer_api.policies.drain import DrainDecision, DrainWatch, preemption_limit
-from polytrain.trainer_api.policies.failure import FailurePolicy
+from polytrain.lightning.tune import TuneReportCallback, deliver_report
+from polytrain.lightning.worker_entry import WorkerOutput, recover_results, run_on_worker
+from polytrain.runs.loop import RunLoop
+from polytrain.runs.watch.drains import DrainEvent
+from polytrain.runs.workload import CallStoppedForDrain, DrainCheckpoint, Workload
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _WorkerOutput:
-    """What rank 0 sends back to the driver after a Trainer entry point ran."""
-
-    trainer_state: TrainerState
-    trainer_results: Any
-    model_state: dict[str, Any] | None
-    callback_metrics: dict[str, Any]
-    logged_metrics: dict[str, Any]
-    progress_bar_metrics: dict[str, Any]
-    callback_states: list[dict[str, Any] | None]
-    logger_versions: list[Any]
-    loop_state: dict[str, Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class RayLauncher(_Launcher):
     """Runs a Trainer entry point (``_fit_impl``, ``_test_impl``, ...) on Ray actors.
 
-    ``launch`` starts a worker group with :func:`~polytrain.launchers.factory.make_group`
-    (the strategy's ``scaling``), lets the backend's rendezvous connect the workers
-    (``on_start``), sends one pickled copy of the Trainer, the LightningModule and
-    the call's arguments to every actor, runs the entry point there and copies
-    rank 0's results into the driver's Trainer and LightningModule. The group is
-    torn down after each call. A worker's exception reaches the driver with its
-    rank and remote traceback; a lost worker starts a new group instead, within
-    the strategy's ``max_retries`` (:mod:`polytrain.lightning.restarts`). While a call
-    runs the launcher watches Ray's draining nodes: a ``fit`` whose node drains stops
-    at a batch boundary, checkpoints there and continues in a new group off the node;
-    other calls run again off it (:mod:`polytrain.lightning.drains`).
+    ``launch`` runs the call on the run loop: a worker group made by
+    :func:`~polytrain.launchers.factory.make_group` (the strategy's ``scaling``),
+    connected by the backend's rendezvous, one pickled copy of the Trainer, the
+    LightningModule and the call's arguments sent to every actor, the entry point
+    run there, and rank 0's results copied into the driver's Trainer and
+    LightningModule. The group is torn down after each call. A worker's exception
+    reaches the driver with its rank and remote traceback; a lost worker starts a
+    new group instead, within the strategy's ``max_retries``; a ``fit`` whose node
+    drains stops at a batch boundary, checkpoints there and continues in a new group
+    off the node; other calls run again off it.
 
     Args:
         strategy: the :class:`~polytrain.lightning.RayStrategy` that owns this launcher.
@@ -75,18 +64,16 @@ class RayLauncher(_Launcher):
 
     def __init__(self, strategy: Any) -> None:
         self._strategy = strategy
-        self._group: WorkerGroup | None = None
-        # Driver-side drain state (never shipped to the workers, see __getstate__).
-        self._drain_watch: DrainWatch | None = None
-        self._drain: DrainDecision | None = None  # a drain of the running group's nodes
-        self._drain_path: str | None = None  # where this attempt's fit checkpoints at a drain
-        self._notice: Any = None  # rank 0's answer to the drain notice, pending
-        self._notice_done = False
+        self._loop: RunLoop | None = None  # the running call's, never shipped to the workers
 
     @property
     def is_interactive_compatible(self) -> bool:
         """True: Ray actors start from notebooks (nothing is forked or re-run)."""
         return True
+
+    @property
+    def _group(self) -> WorkerGroup | None:
+        return self._loop.group if self._loop is not None else None
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         """Run ``function(*args, **kwargs)`` on every worker; return rank 0's result.
@@ -94,8 +81,8 @@ class RayLauncher(_Launcher):
         A lost worker restarts the group, up to the strategy's ``max_retries`` over its
         life: a ``fit`` resumes from the newest checkpoint Lightning wrote during the
         call (see :mod:`polytrain.lightning.restarts`), other calls run again. A node of
-        the group that drains is left, counted in ``num_preemptions`` (up to
-        ``max_preemptions``): a ``fit`` stops at a batch boundary, checkpoints into
+        the group that drains is left, counted in ``num_drains`` (up to ``max_drains``):
+        a ``fit`` stops at a batch boundary, checkpoints into
         ``<default_root_dir>/drain_checkpoints`` and continues from there in a new group
         (the file is removed once the fit completes); other calls run again.
 
@@ -103,7 +90,7 @@ class RayLauncher(_Launcher):
             polytrain.errors.WorkerError: a worker raised (with its rank and traceback),
                 or died once the restarts were spent.
             polytrain.errors.InsufficientResourcesError: the workers cannot be placed.
-            polytrain.errors.PreemptedError: a drain past ``max_preemptions`` (with the
+            polytrain.errors.DrainLimitError: a drain past ``max_drains`` (with the
                 checkpoint of a fit to resume from).
         """
         if trainer is None:
@@ -113,304 +100,24 @@ class RayLauncher(_Launcher):
             )
         # Actors may run in another directory (or on another node): ship absolute paths.
         _absolutize_paths(trainer)
-        finder = self._prepare(trainer, function)
-        tune_queue = _make_tune_queue(trainer)
-        try:
-            outputs, written = self._attempts(trainer, function, args, kwargs, tune_queue, finder)
-        finally:
-            self._drain_path = None
-            if tune_queue is not None:
-                tune_queue.shutdown()
-        if self._drain is not None:
-            logger.warning(
-                "The %s call ended before it could stop for the drain (%s): nothing to move.",
-                _call_name(function),
-                self._drain.describe(),
-            )
-        for path in written:  # the fit completed: its drain checkpoints are spent
-            drains.remove_checkpoint(path)
-        output: _WorkerOutput = outputs[0]
-        _recover_results_in_main_process(output, trainer)
-        return output.trainer_results
-
-    def _prepare(self, trainer: Any, function: Callable) -> CheckpointFinder | None:
-        """Before a call's first group: the drain watch, pinned logger versions, the checkpoint finder."""
-        if self._drain_watch is None:
-            self._drain_watch = DrainWatch(enabled=not self._strategy.scaling.local_mode)
-        if _name_of(function) != FIT_ENTRY:
-            return None
-        if self._strategy.max_retries > 0 or self._drain_watch.enabled:
-            # Every group of this call must log and checkpoint into the same directories.
-            pin_logger_versions(trainer)
-        if self._strategy.max_retries == 0:
-            return None
-        return CheckpointFinder.for_trainer(
-            trainer, extra=[drains.drain_directory(trainer.default_root_dir)]
-        )
-
-    def _attempts(
-        self,
-        trainer: Any,
-        function: Callable,
-        args: tuple,
-        kwargs: dict[str, Any],
-        tune_queue: Any,
-        finder: CheckpointFinder | None,
-    ) -> tuple[list[Any], list[str]]:
-        """Run the call on groups until one completes: ``(outputs, drain checkpoints written)``.
-
-        After a lost worker the call restarts (``max_retries``); after a drain a fit
-        resumes from its drain checkpoint and another call runs again (``max_preemptions``).
-        """
-        watch = self._drain_watch
-        stoppable = _name_of(function) == FIT_ENTRY and watch is not None and watch.enabled
-        token, written, attempt = drains.new_token(), [], 0
-        while True:
-            attempt += 1
-            self._drain_path = (
-                drains.drain_checkpoint_path(trainer.default_root_dir, token, attempt)
-                if stoppable
-                else None
-            )
-            try:
-                outputs = self._launch_once(trainer, function, args, kwargs, tune_queue)
-            except _RunAgainOffNode:
-                self._count_preemption(function, None)
-                continue
-            except BaseException as exc:
-                args, kwargs = self._restart_or_raise(exc, function, args, kwargs, finder)
-                continue
-            stop = outputs[0] if outputs else None
-            if not isinstance(stop, drains.DrainStopped):
-                return outputs, written
-            args, kwargs = self._move_off(stop, function, args, kwargs, written)
-
-    def _launch_once(
-        self,
-        trainer: Any,
-        function: Callable,
-        args: tuple,
-        kwargs: dict[str, Any],
-        tune_queue: Any,
-    ) -> list[_WorkerOutput | None]:
-        """Start a group, connect it, run the entry point on it, tear it down (also on failure)."""
-        from polytrain.launchers.factory import make_group  # imports Ray's side lazily
-
         strategy = self._strategy
-        rendezvous = strategy.backend.make_rendezvous()
-        group = make_group(
+        call = _EntryCall(strategy, trainer, function, args, kwargs)
+        self._loop = RunLoop(
+            call,
+            strategy.backend,
             strategy.scaling,
-            env_vars=_worker_env_vars(rendezvous),
-            preload=strategy.backend.preload_modules,
+            failure_policy=strategy.failure_policy,
+            drain_policy=strategy.drain_policy,
+            init_hook=strategy.init_hook,
         )
-        group.start()
-        self._group = group
-        self._watch(group)
         try:
-            if strategy.init_hook is not None:
-                group.execute(strategy.init_hook)  # before the workers connect
-            ctx = strategy._context_template()
-            rendezvous.on_start(group, ctx)
-            _ensure_torch_process_group(group, ctx)
-            return _run_on_group(
-                group,
-                trainer,
-                function,
-                args,
-                kwargs,
-                tune_queue,
-                drain_path=self._drain_path,
-                watch=functools.partial(self._poll_drains, group, function),
-            )
+            output: WorkerOutput = call.run(self._loop)[0]
         finally:
-            self._group = None
-            rendezvous.shutdown(group)  # never raises: shutdown goes on with dead workers
-            if self._drain is not None:
-                group.terminate()  # not to the warm pool: those on the node would come back
-            else:
-                group.shutdown()
-
-    # ------------------------------------------------------------ drained nodes
-    def _watch(self, group: WorkerGroup) -> None:
-        """Watch the nodes of a group that just started (a draining node hosts none of it)."""
-        self._drain, self._notice, self._notice_done = None, None, False
-        if self._drain_watch is not None and self._drain_watch.enabled:
-            self._drain_watch.watch(group.metadata)
-
-    def _poll_drains(self, group: WorkerGroup, function: Callable | str) -> None:
-        """Poll hook: a node of the group drains? Stop a fit at a batch; abort another call.
-
-        Raises:
-            _RunAgainOffNode: a validate/test/predict call (or a fit that cannot stop at
-                a batch boundary) is left at once, to run again off the node.
-        """
-        watch = self._drain_watch
-        if watch is None or not watch.enabled:
-            return
-        decision = watch.poll()
-        if decision is not None:
-            nodes = (self._drain.nodes if self._drain else ()) + decision.nodes
-            self._drain = DrainDecision(nodes, decision.reason)
-            ranks = decision.describe_ranks()
-            if self._drain_path is None:
-                logger.warning(
-                    "%s: the workers (%s) stop the running %s call, which runs again off the node.",
-                    decision.describe(),
-                    ranks,
-                    _call_name(function),
-                )
-                raise _RunAgainOffNode(decision)
-            logger.warning(
-                "%s: the workers (%s) finish their current batch, checkpoint there and the fit "
-                "continues off the node.",
-                decision.describe(),
-                ranks,
-            )
-        if self._drain is not None and self._drain_path is not None and not self._notice_done:
-            self._deliver_notice(group)
-
-    def _deliver_notice(self, group: WorkerGroup) -> None:
-        """Hand rank 0 the drain notice (again, until its fit has a handler to take it)."""
-        if self._notice is None:
-            self._notice = group.monitor_single_async(0, "stop_request", {"drain": True})
-            return
-        done, reply = group.poll(self._notice)
-        if not done:
-            return
-        self._notice = None
-        delivered, refusal = drains.notice_reply(reply)
-        if not delivered:
-            return  # rank 0 is not in its fit yet: the next poll sends it again
-        self._notice_done = True
-        if refusal is not None:
-            logger.warning(
-                "Rank 0 cannot stop this fit at a batch (%s): it runs on, and should the node "
-                "go first the group restarts as after a lost worker (max_retries=%d).",
-                refusal,
-                self._strategy.max_retries,
-            )
-
-    def _count_preemption(self, function: Callable | str, stop: drains.DrainStopped | None) -> None:
-        """Count a drain that stopped the call; past ``max_preemptions`` raise PreemptedError."""
-        strategy = self._strategy
-        strategy._num_preemptions += 1
-        limit = strategy.max_preemptions
-        decision = self._drain
-        nodes = ", ".join(decision.node_ids) if decision is not None else "(unknown)"
-        deadline = decision.deadline_note() if decision is not None else "no deadline"
-        name = type(strategy).__name__
-        if stop is not None:
-            logger.warning(
-                "Preemption %d (%s max_preemptions=%s) of node %s: checkpoint %s holds %s (%s).",
-                strategy._num_preemptions,
-                name,
-                preemption_limit(limit),
-                nodes,
-                stop.checkpoint_path,
-                stop.where(),
-                deadline,
-            )
-        else:
-            logger.warning(
-                "Preemption %d (%s max_preemptions=%s) of node %s: the %s call stopped (%s).",
-                strategy._num_preemptions,
-                name,
-                preemption_limit(limit),
-                nodes,
-                _call_name(function),
-                deadline,
-            )
-        if limit is not None and strategy._num_preemptions > limit:
-            what = decision.describe() if decision is not None else "A node drains"
-            resume = (
-                f"Checkpoint {stop.checkpoint_path} holds {stop.where()}: resume with "
-                f"trainer.fit(model, ckpt_path={stop.checkpoint_path!r})"
-                if stop is not None
-                else f"Run the {_call_name(function)} call again"
-            )
-            raise PreemptedError(
-                f"{what}; that is preemption {strategy._num_preemptions}, more than "
-                f"{name}(max_preemptions={limit}). {resume}, or raise max_preemptions.",
-                checkpoint_path=stop.checkpoint_path if stop is not None else None,
-            )
-        self._drain = None  # acted on; the next group starts off the node
-
-    def _move_off(
-        self,
-        stop: drains.DrainStopped,
-        function: Callable,
-        args: tuple,
-        kwargs: dict[str, Any],
-        written: list[str],
-    ) -> tuple[tuple, dict[str, Any]]:
-        """A fit stopped at its drain checkpoint: count it; the next attempt resumes from there."""
-        path = stop.checkpoint_path
-        if path is None or ("://" not in path and not os.path.isfile(path)):
-            raise PreemptedError(
-                f"The fit stopped for a drain at {stop.where()}, but its checkpoint "
-                f"{path} is not visible to the driver: give the Trainer a default_root_dir "
-                f"on storage the driver and every worker share.",
-                checkpoint_path=path,
-            )
-        for older in written:  # superseded by the newer one
-            drains.remove_checkpoint(older)
-        written[:] = [path]
-        self._count_preemption(function, stop)
-        logger.warning(
-            "Continuing the fit from %s on %d worker(s) off the drained node(s).",
-            path,
-            self._strategy.num_workers,
-        )
-        return with_ckpt_path(function, args, kwargs, path)
-
-    def _restart_or_raise(
-        self,
-        error: BaseException,
-        function: Callable,
-        args: tuple,
-        kwargs: dict[str, Any],
-        finder: CheckpointFinder | None,
-    ) -> tuple[tuple, dict[str, Any]]:
-        """After a failed attempt: the next attempt's arguments, or ``error`` raised again.
-
-        A lost worker within the strategy's ``max_retries`` counts a restart; a fit's
-        next attempt resumes from the newest checkpoint of the call, if there is one.
-        """
-        strategy = self._strategy
-        if self._drain is not None and isinstance(error, FailurePolicy.retryable):
-            logger.warning(
-                "%s, and the group lost a worker before it stopped there (the node is gone): "
-                "a lost worker, handled by max_retries.",
-                self._drain.describe(),
-            )
-            self._drain = None
-        if not should_restart(error, strategy._num_restarts, strategy.max_retries):
-            if isinstance(error, FailurePolicy.retryable):
-                logger.error(
-                    "%s; no restart left (max_retries=%d, %d used).",
-                    describe_loss(error),
-                    strategy.max_retries,
-                    strategy._num_restarts,
-                )
-            raise error
-        strategy._num_restarts += 1
-        if finder is None:
-            source = f"the start of the {_call_name(function)} call"
-        elif (path := finder.newest()) is not None:
-            args, kwargs = with_ckpt_path(function, args, kwargs, path)
-            source = path
-        else:
-            given = ckpt_path_of(function, args, kwargs)
-            start = f"ckpt_path={given!r}" if given else "the start of the fit"
-            source = f"{start} ({finder.describe_none()})"
-        logger.warning(
-            "%s; restart %d of %d from %s.",
-            describe_loss(error),
-            strategy._num_restarts,
-            strategy.max_retries,
-            source,
-        )
-        return args, kwargs
+            self._loop.close()
+            self._loop = None
+            call.finish()
+        recover_results(output, trainer)
+        return output.trainer_results
 
     def kill(self, signum: Any) -> None:
         """Stop the workers now (Lightning calls this on a second Ctrl+C)."""
@@ -420,81 +127,218 @@ class RayLauncher(_Launcher):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_group"] = None  # actor handles stay with the driver
-        state["_drain_watch"] = state["_drain"] = state["_notice"] = None
+        state["_loop"] = None  # actor handles stay with the driver
         return state
 
 
-class _RunAgainOffNode(PolytrainError):
-    """Raised by the poll hook to leave a call that a drain ends (it runs again off the node)."""
+class _EntryCall(Workload):
+    """One Trainer entry point on the run loop: its workers, its resume point, its drains."""
 
-    def __init__(self, decision: DrainDecision) -> None:
-        super().__init__(decision.describe())
-        self.decision = decision
+    def __init__(
+        self, strategy: Any, trainer: Any, function: Callable, args: tuple, kwargs: dict
+    ) -> None:
+        self.strategy, self.trainer, self.function = strategy, trainer, function
+        self.args, self.kwargs = args, kwargs
+        self.name = call_name(function)
+        fit = entry_name(function) == FIT_ENTRY
+        watched = not strategy.scaling.local_mode
+        #: A fit stops at a batch for a drain; other calls are left and run again.
+        self.stoppable = fit and watched
+        if fit and (strategy.max_retries > 0 or watched):
+            # Every group of this call must log and checkpoint into the same directories.
+            pin_logger_versions(trainer)
+        self.finder = (
+            CheckpointFinder.for_trainer(
+                trainer, extra=[drain_stop.drain_directory(trainer.default_root_dir)]
+            )
+            if fit and strategy.max_retries > 0
+            else None
+        )
+        self.tune_queue = _make_tune_queue(trainer)
+        self.token, self.attempt = drain_stop.new_token(), 0
+        self.drain_path: str | None = None  # where this attempt's fit checkpoints at a drain
+        self.written: list[str] = []  # drain checkpoints of this call
+        self._notice: Any = None  # rank 0's answer to the drain notice, pending
+        self._notice_done = False
+        self.loop: RunLoop | None = None
+
+    # ------------------------------------------------------------- the call
+    def run(self, loop: RunLoop) -> list[Any]:
+        """Run the call on groups until one completes; returns every rank's output."""
+        self.loop = loop
+        while True:
+            outputs = loop.call(
+                run_on_worker,
+                args_fn=self._attempt_args,
+                per_rank=lambda rank: (
+                    loop.group.rank_infos[rank],
+                    loop.group.device_indices[rank],
+                ),
+            )
+            if self.tune_queue is not None:  # the reports after the last poll
+                _forward_tune_reports(self.tune_queue)
+            stop = outputs[0] if outputs else None
+            if not isinstance(stop, drain_stop.DrainStopped):
+                if loop.pending_drain is not None:
+                    logger.warning(
+                        "The %s call ended before it could stop for the drain (%s): nothing "
+                        "to move.",
+                        self.name,
+                        loop.pending_drain.describe(),
+                    )
+                for path in self.written:  # the fit completed: its drain checkpoints are spent
+                    drain_stop.remove_checkpoint(path)
+                return outputs
+            self._move_off(loop, stop)
+
+    def _attempt_args(self) -> tuple[Any, ...]:
+        """One attempt's arguments: the Trainer payload, the cwd, the Tune queue, the drain path."""
+        self.attempt += 1
+        self.drain_path = (
+            drain_stop.drain_checkpoint_path(
+                self.trainer.default_root_dir, self.token, self.attempt
+            )
+            if self.stoppable
+            else None
+        )
+        # A bound Trainer method travels as its name: the Trainer copy inside the
+        # payload is the one it must run on.
+        function = self.function
+        if getattr(function, "__self__", None) is self.trainer:
+            function = function.__name__
+        payload = (self.trainer, function, self.args, self.kwargs)
+        shared = payload if self.strategy.scaling.local_mode else _put(payload)
+        return shared, os.getcwd(), self.tune_queue, self.drain_path
+
+    def _move_off(self, loop: RunLoop, stop: drain_stop.DrainStopped) -> None:
+        """A fit stopped at its drain checkpoint: the next attempt resumes from there, off the node."""
+        path = stop.checkpoint_path
+        if path is None or ("://" not in path and not os.path.isfile(path)):
+            raise RunStoppedError(
+                f"The fit stopped for a drain at {stop.where()}, but its checkpoint "
+                f"{path} is not visible to the driver: give the Trainer a default_root_dir "
+                f"on storage the driver and every worker share.",
+                checkpoint_path=path,
+            )
+        for older in self.written:  # superseded by the newer one
+            drain_stop.remove_checkpoint(older)
+        self.written = [path]
+        self.args, self.kwargs = with_ckpt_path(self.function, self.args, self.kwargs, path)
+        loop.leave_drained_nodes(
+            DrainCheckpoint(
+                path=path,
+                where=stop.where(),
+                resume=f"Resume with trainer.fit(model, ckpt_path={path!r})",
+            )
+        )
+
+    def finish(self) -> None:
+        """After the call: the Tune queue goes."""
+        if self.tune_queue is not None:
+            self.tune_queue.shutdown()
+
+    # ------------------------------------------------------ run loop hooks
+    def context(self, world_size: int) -> WorkerContext:
+        """Run loop: the strategy's worker context."""
+        return self.strategy._context_template()
+
+    def worker_env(self) -> dict[str, str]:
+        """Run loop: Lightning's ``seed_everything`` seeds (``PL_*``), for the workers' ``reset_seed``."""
+        return {k: v for k, v in os.environ.items() if k.startswith("PL_")}
+
+    def setup_workers(self, group: WorkerGroup) -> None:
+        """Run loop: a torch process group for Lightning's own collectives if the backend made none."""
+        _ensure_torch_process_group(group, self.strategy._context_template())
+
+    def started(self) -> None:
+        """Run loop: a new group has not been told of any drain."""
+        self._notice, self._notice_done = None, False
+
+    def pollers(self) -> list[Callable[[], None]]:
+        """Run loop: rank 0's Tune reports reach Tune while the call runs."""
+        if self.tune_queue is None:
+            return []
+        return [lambda: _forward_tune_reports(self.tune_queue)]
+
+    def after_failed_call(self, error: BaseException) -> None:
+        """Run loop: what rank 0 reported before the failure (a trial's checkpoint) still reaches Tune."""
+        if self.tune_queue is not None:
+            _forward_tune_reports(self.tune_queue)
+
+    def restart_source(self) -> str | None:
+        """Run loop, a lost worker: a fit resumes from the newest checkpoint of the call, if any."""
+        if self.finder is None:
+            return f"the start of the {self.name} call"
+        path = self.finder.newest()
+        if path is not None:
+            self.args, self.kwargs = with_ckpt_path(self.function, self.args, self.kwargs, path)
+            return path
+        given = ckpt_path_of(self.function, self.args, self.kwargs)
+        start = f"ckpt_path={given!r}" if given else "the start of the fit"
+        return f"{start} ({self.finder.describe_none()})"
+
+    def on_drain(self, event: DrainEvent, new: bool) -> None:
+        """Run loop: a fit stops at a batch (rank 0 is told); another call is left at once.
+
+        Raises:
+            CallStoppedForDrain: a validate/test/predict call (or a fit that cannot stop at
+                a batch boundary) is left, to run again off the node.
+        """
+        if new and self.drain_path is None:
+            logger.warning(
+                "%s: the workers (%s) stop the running %s call, which runs again off the node.",
+                event.describe(),
+                event.describe_ranks(),
+                self.name,
+            )
+            raise CallStoppedForDrain(
+                event,
+                DrainCheckpoint(
+                    path=None,
+                    where=f"the {self.name} call",
+                    resume=f"Run the {self.name} call again",
+                ),
+            )
+        if new:
+            logger.warning(
+                "%s: the workers (%s) finish their current batch, checkpoint there and the fit "
+                "continues off the node.",
+                event.describe(),
+                event.describe_ranks(),
+            )
+        if self.drain_path is not None and not self._notice_done:
+            self._deliver_notice()
+
+    def _deliver_notice(self) -> None:
+        """Hand rank 0 the drain notice (again, until its fit has a handler to take it)."""
+        group = self.loop.group if self.loop is not None else None
+        if group is None:
+            return
+        if self._notice is None:
+            self._notice = group.monitor_single_async(0, "stop_request", {"drain": True})
+            return
+        done, reply = group.poll(self._notice)
+        if not done:
+            return
+        self._notice = None
+        delivered, refusal = drain_stop.notice_reply(reply)
+        if not delivered:
+            return  # rank 0 is not in its fit yet: the next poll sends it again
+        self._notice_done = True
+        if refusal is not None:
+            logger.warning(
+                "Rank 0 cannot stop this fit at a batch (%s): it runs on, and should the node "
+                "go first the group restarts as after a lost worker (max_retries=%d).",
+                refusal,
+                self.strategy.max_retries,
+            )
 
 
-def _name_of(function: Callable | str) -> str:
-    return function if isinstance(function, str) else getattr(function, "__name__", "")
-
-
-def _call_name(function: Callable | str) -> str:
-    """``fit``, ``validate``, ... for the Trainer entry point ``function``."""
-    return _name_of(function).strip("_").removesuffix("_impl")
-
-
-def _worker_env_vars(rendezvous: Rendezvous) -> dict[str, str]:
-    # Lightning's seed_everything() records the seed in PL_* variables; the workers
-    # re-seed from them (reset_seed) like processes that Lightning starts itself.
-    env = {k: v for k, v in os.environ.items() if k.startswith("PL_")}
-    env.update(rendezvous.worker_env_vars())
-    return env
-
-
-def _run_on_group(
-    group: WorkerGroup,
-    trainer: Any,
-    function: Callable | str,
-    args: tuple,
-    kwargs: dict[str, Any],
-    tune_queue: Any,
-    drain_path: str | None = None,
-    watch: Callable[[], None] | None = None,
-) -> list[Any]:
-    """Run the entry point on every worker, forwarding Tune reports and watching drains while waiting.
-
-    ``drain_path``: where a fit checkpoints when a drain stops it (None: not stoppable);
-    ``watch``: the drain poll, called while waiting.
-    """
+def _put(payload: Any) -> Any:
+    """The payload in Ray's object store: one copy for every worker of the group."""
     import ray
 
-    # A bound Trainer method travels as its name: the Trainer copy inside the
-    # payload is the one it must run on.
-    if getattr(function, "__self__", None) is trainer:
-        function = function.__name__
-    payload = ray.put((trainer, function, args, kwargs))  # once for all workers
-    refs = [
-        group.execute_single_async(
-            rank, _run_on_worker, payload, info, device, os.getcwd(), tune_queue, drain_path
-        )
-        for rank, (info, device) in enumerate(
-            zip(group.rank_infos, group.device_indices, strict=True)
-        )
-    ]
-    polls = [p for p in (watch,) if p is not None]
-    if tune_queue is not None:
-        polls.append(lambda: _forward_tune_reports(tune_queue))
-
-    def poll() -> None:
-        for each in polls:
-            each()
-
-    try:
-        return group.get(refs, on_poll=poll if polls else None, poll_interval_s=0.2)
-    finally:
-        # Also when a worker failed: what rank 0 reported before (the checkpoint a
-        # restored trial resumes from) must reach Tune before the error does.
-        if tune_queue is not None:
-            _forward_tune_reports(tune_queue)
+    return ray.put(payload)
 
 
 def _absolutize_paths(trainer: Any) -> None:
@@ -536,112 +380,3 @@ def _make_tune_queue(trainer: Any) -> Any:
 def _forward_tune_reports(queue: Any) -> None:
     while not queue.empty():
         deliver_report(queue.get_nowait())
-
-
-def _to_cpu(data: Any) -> Any:
-    return move_data_to_device(data, torch.device("cpu"))
-
-
-def _run_on_worker(
-    payload: tuple[Any, Any, tuple, dict],
-    rank_info: Any,
-    device_index: int,
-    cwd: str,
-    tune_queue: Any,
-    drain_path: str | None = None,
-) -> _WorkerOutput | drains.DrainStopped | None:
-    """Worker: run the Trainer entry point on this worker's copy of the Trainer.
-
-    With ``drain_path`` (a fit the driver may stop for a drain) the fit stops when rank 0
-    is told, on every rank at the same batch boundary, checkpoints to ``drain_path`` and
-    returns :class:`~polytrain.lightning.drains.DrainStopped`.
-    """
-    trainer, function, args, kwargs = payload
-    try:
-        os.chdir(cwd)  # relative paths in the user's code mean what they mean on the driver
-    except OSError:
-        pass  # another node without that directory: absolute paths were shipped
-    # Set or cleared on every call: a reused (warm) actor may hold an earlier run's queue.
-    if tune_queue is not None:
-        WORKER_STATE[TUNE_QUEUE_KEY] = tune_queue
-    else:
-        WORKER_STATE.pop(TUNE_QUEUE_KEY, None)
-    strategy = trainer.strategy
-    strategy._set_worker_context(rank_info, device_index)
-    if isinstance(function, str):
-        function = getattr(trainer, function)
-    if drain_path is None or _name_of(function) != FIT_ENTRY:
-        WORKER_STATE.pop(STOP_HANDLER, None)
-        strategy._loader_positions = None
-        results = function(*args, **kwargs)
-    else:
-        world_size = strategy._worker.ctx.world_size
-        notice = drains.DrainNotice()
-        notice.refusal = drains.install_stop(trainer, notice, world_size)
-        strategy._loader_positions = drains.ResumableLoaders(world_size)
-        trainer.callbacks.append(strategy._loader_positions)  # after the driver's: they zip
-        WORKER_STATE[STOP_HANDLER] = notice
-        try:
-            results = function(*args, **kwargs)
-        except drains.DrainStop:
-            return drains.stop_at_drain(trainer, drain_path)
-        finally:
-            WORKER_STATE.pop(STOP_HANDLER, None)
-    if rank_info.world_rank != 0:
-        return None
-    fitting = trainer.state.fn == TrainerFn.FITTING
-    return _WorkerOutput(
-        trainer_state=trainer.state,
-        trainer_results=_to_cpu(results),
-        model_state=_to_cpu(strategy._final_model_state) if fitting else None,
-        callback_metrics=_to_cpu(dict(trainer.callback_metrics)),
-        logged_metrics=_to_cpu(dict(trainer.logged_metrics)),
-        progress_bar_metrics=_to_cpu(dict(trainer.progress_bar_metrics)),
-        callback_states=[_to_cpu(_callback_state(cb)) for cb in trainer.callbacks],
-        logger_versions=[getattr(lg, "version", None) for lg in trainer.loggers],
-        loop_state=_to_cpu(trainer.fit_loop.state_dict()) if fitting else None,
-    )
-
-
-def _callback_state(callback: Any) -> dict[str, Any] | None:
-    try:
-        state = callback.state_dict()
-    except Exception:  # noqa: BLE001 - a user callback whose state does not serialise
-        return None
-    if hasattr(callback, "dirpath"):
-        state = {**state, "dirpath": callback.dirpath}
-    return state
-
-
-def _recover_results_in_main_process(output: _WorkerOutput, trainer: Any) -> None:
-    """Driver: copy rank 0's weights, metrics, callback and loop state into the Trainer."""
-    if output.model_state is not None:
-        module = trainer.lightning_module
-        # Non-strict like Lightning's spawn launcher: configure_model/setup may have
-        # added layers on the workers that the driver's module never built.
-        missing, unexpected = module.load_state_dict(output.model_state, strict=False)
-        if missing or unexpected:
-            logger.warning(
-                "Loading the workers' weights into the driver's module: missing keys %s, "
-                "unexpected keys %s.",
-                missing,
-                unexpected,
-            )
-    trainer.state = output.trainer_state
-    trainer.callback_metrics.update(output.callback_metrics)
-    trainer.logged_metrics.update(output.logged_metrics)
-    trainer.progress_bar_metrics.update(output.progress_bar_metrics)
-    for callback, state in zip(trainer.callbacks, output.callback_states, strict=False):
-        if not state:
-            continue
-        if "dirpath" in state and hasattr(callback, "dirpath"):
-            callback.dirpath = state["dirpath"]
-        try:
-            callback.load_state_dict(state)
-        except Exception:  # noqa: BLE001 - keep the run's result even if one callback differs
-            logger.warning("Could not restore the state of callback %r", callback, exc_info=True)
-    for lg, version in zip(trainer.loggers, output.logger_versions, strict=False):
-        if version is not None and hasattr(lg, "_version"):
-            lg._version = version
-    if output.loop_state is not None:
-        trainer.fit_loop.load_state_dict(output.loop_state)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from polytrain.backends.core.backend import Backend
+from polytrain.compat.deprecation import DRAIN_WORD, renamed
 from polytrain.errors import ConfigError, ConfigTypeError
 from polytrain.launchers.scaling import ScalingConfig
 from polytrain.trainer_api.options.configs import merge_flat_options
@@ -104,23 +105,36 @@ def check_max_retries(strategy_name: str, max_retries: Any) -> int:
     )
 
 
-def check_max_preemptions(strategy_name: str, max_preemptions: Any) -> int | None:
-    """Driver: ``max_preemptions`` if it is None (unlimited) or an int >= 0 (as ``FailureConfig.max_preemptions``).
+def check_max_drains(
+    strategy_name: str, max_drains: Any, max_preemptions: Any = None
+) -> int | None:
+    """Driver: ``max_drains`` if it is None (unlimited) or an int >= 0 (as ``FailureConfig.max_drains``).
+
+    ``max_preemptions`` is its former name (deprecated): it sets ``max_drains``.
 
     Raises:
         ConfigTypeError: neither None nor an int (a bool counts as neither).
-        ConfigError: a negative int.
+        ConfigError: a negative int, or both names set to different values.
     """
-    if max_preemptions is None:
+    if max_preemptions is not None:
+        if max_drains is not None and max_drains != max_preemptions:
+            raise ConfigError(
+                f"{strategy_name}(max_drains={max_drains!r}, max_preemptions="
+                f"{max_preemptions!r}): max_preemptions is the former name of max_drains; "
+                f"set max_drains only."
+            )
+        renamed(f"{strategy_name}(max_preemptions=...)", "max_drains", DRAIN_WORD)
+        max_drains = max_preemptions
+    if max_drains is None:
         return None
     return _check_count(
         strategy_name,
-        "max_preemptions",
-        max_preemptions,
+        "max_drains",
+        max_drains,
         meaning="the drained nodes a fit moves off (stopping at a batch, checkpointing, "
         "resuming in a new group), counted apart from max_retries; None, the default, is "
         "unlimited",
-        negative_fix="Pass max_preemptions=0 to stop at the first drain.",
+        negative_fix="Pass max_drains=0 to stop at the first drain.",
         allowed="None or an int >= 0",
     )
 

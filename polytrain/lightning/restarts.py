@@ -6,9 +6,9 @@ strategy's ``max_retries`` restarts. A ``fit`` continues from the newest checkpo
 Lightning wrote during that call (``trainer.fit(model, ckpt_path=<it>)``, Lightning's own
 resume: weights, optimizer and scheduler states, loop counters, callback states), found
 by :class:`CheckpointFinder` in the directories of the Trainer's ``ModelCheckpoint``
-callbacks; without one it starts over from what the call was given. The same decision
-as the trainers' :class:`~polytrain.trainer_api.policies.failure.FailurePolicy`: only a
-lost or hung worker is retried, never an exception raised by user code.
+callbacks; without one it starts over from what the call was given. Whether to restart
+is the run loop's :class:`~polytrain.runs.policies.failure.FailurePolicy`, as for every
+front end: only a lost or hung worker is retried, never an exception raised by user code.
 """
 
 from __future__ import annotations
@@ -16,16 +16,12 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import re
 import stat
 import zipfile
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from lightning_fabric.loggers import CSVLogger, TensorBoardLogger
-
-from polytrain.errors import WorkerHangError
-from polytrain.trainer_api.policies.failure import FailurePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -36,26 +32,15 @@ FIT_ENTRY = "_fit_impl"
 #: a run anywhere (an experiment tracker's logger would create its run on first access).
 _LOCAL_VERSIONED = (TensorBoardLogger, CSVLogger)
 
-_DIED = re.compile(r"^Worker rank -?\d+ (?:\((?P<where>[^)]*)\) )?died: (?P<cause>.*)$")
+
+def entry_name(function: Callable | str) -> str:
+    """The name of a Trainer entry point (``_fit_impl``, ...), given as a function or its name."""
+    return function if isinstance(function, str) else getattr(function, "__name__", "")
 
 
-def should_restart(error: BaseException, restarts: int, max_retries: int) -> bool:
-    """True if ``error`` is a lost or hung worker and fewer than ``max_retries`` restarts were made."""
-    return isinstance(error, FailurePolicy.retryable) and restarts < max_retries
-
-
-def describe_loss(error: BaseException) -> str:
-    """``Worker rank R died (pid P on IP: cause)``: one line for the log, from a WorkerError."""
-    rank = getattr(error, "rank", "?")
-    lines = str(error).splitlines()
-    first = lines[0] if lines else type(error).__name__
-    if isinstance(error, WorkerHangError):
-        return f"Worker rank {rank} hung ({first[:300]})"
-    match = _DIED.match(first)
-    if match is None:
-        return f"Worker rank {rank} died ({first[:300]})"
-    where, cause = match.group("where"), match.group("cause")
-    return f"Worker rank {rank} died ({f'{where}: ' if where else ''}{cause[:300]})"
+def call_name(function: Callable | str) -> str:
+    """``fit``, ``validate``, ... for the Trainer entry point ``function``."""
+    return entry_name(function).strip("_").removesuffix("_impl")
 
 
 def pin_logger_versions(trainer: Any) -> None:

@@ -30,19 +30,22 @@ from polytrain.backends.core.backend import Backend
 from polytrain.backends.core.context import WorkerContext
 from polytrain.backends.ddp.config import ddp_options
 from polytrain.backends.registry import get_backend
+from polytrain.compat.deprecation import DRAIN_WORD, renamed
 from polytrain.launchers.scaling import ScalingConfig
 from polytrain.launchers.worker import report_progress
 from polytrain.lightning.collectives import TorchCollectives
 from polytrain.lightning.environment import WorkerGroupEnvironment
 from polytrain.lightning.options import (
     check_init_hook,
-    check_max_preemptions,
+    check_max_drains,
     check_max_retries,
     resolve_scaling,
     scaling_field,
     with_ddp_kwargs,
 )
 from polytrain.lightning.worker_side import WorkerSide
+from polytrain.runs.policies.drain import DrainPolicy
+from polytrain.runs.policies.failure import FailurePolicy
 
 
 class RayStrategy(TorchCollectives, ParallelStrategy):
@@ -60,9 +63,9 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
     ``trainer.logged_metrics``, the checkpoint callbacks (``best_model_path``) and
     the loop counters hold rank 0's values. A worker lost during a call is replaced by
     a new group (``max_retries``); a ``fit`` resumes from Lightning's newest checkpoint.
-    A node of the group that drains (a preemption announced by Ray) is left without
+    A node of the group that drains (Ray's announced loss of a node) is left without
     losing a step: the fit stops at a batch boundary on every worker, checkpoints there
-    and continues in a new group off the node (``max_preemptions``).
+    and continues in a new group off the node (``max_drains``).
 
     Args:
         backend: a torch backend name or alias ("ddp", "horovod", "fairscale",
@@ -101,15 +104,16 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
             newest file), or from the start when there is none; ``validate``, ``test``
             and ``predict`` run again. An exception raised by user code is never
             retried. See docs/lightning.md, "Lost workers".
-        max_preemptions: drained nodes (Ray's announced preemptions) a call may move off,
+        max_drains: drained nodes (Ray's announced loss of a node) a call may move off,
             over the strategy's life, counted apart from ``max_retries``; None (the
-            default) is unlimited, as ``FailureConfig.max_preemptions``. A ``fit`` stops at
+            default) is unlimited, as ``FailureConfig.max_drains``. A ``fit`` stops at
             the next batch boundary on every worker, writes a checkpoint there (under
             ``<default_root_dir>/drain_checkpoints``, with the train loaders' position) and
             continues from it in a new group off the node, with no step lost or repeated;
             ``validate``, ``test`` and ``predict`` run again off the node. The drain past
-            the limit still checkpoints, then raises ``PreemptedError`` with the path.
+            the limit still checkpoints, then raises ``DrainLimitError`` with the path.
             See docs/lightning.md, "Drained nodes".
+        max_preemptions: the former name of ``max_drains`` (deprecated).
         **ddp_kwargs: keyword arguments of ``DistributedDataParallel`` (e.g.
             ``find_unused_parameters=True, bucket_cap_mb=50``), as ray_lightning took
             them; they go to the ``ddp`` backend's ``ddp_kwargs`` (see
@@ -140,13 +144,14 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
         num_gpus_per_worker: float | None = None,
         init_hook: Callable[[], None] | None = None,
         max_retries: int = 3,
+        max_drains: int | None = None,
         max_preemptions: int | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         name = type(self).__name__
         self.max_retries = check_max_retries(name, max_retries)
-        self.max_preemptions = check_max_preemptions(name, max_preemptions)
-        self._num_restarts = self._num_preemptions = 0
+        self.max_drains = check_max_drains(name, max_drains, max_preemptions)
+        self.failure_policy, self.drain_policy = _policies(name, self.max_retries, self.max_drains)
         self.scaling = resolve_scaling(
             name,
             scaling_config,
@@ -201,12 +206,23 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
     @property
     def num_restarts(self) -> int:
         """Restarts of the worker group after a lost worker so far (at most ``max_retries``)."""
-        return self._num_restarts
+        return self.failure_policy.num_restarts
+
+    @property
+    def num_drains(self) -> int:
+        """Drained nodes moved off so far (at most ``max_drains``; not in ``num_restarts``)."""
+        return self.drain_policy.count
 
     @property
     def num_preemptions(self) -> int:
-        """Drained nodes moved off so far (at most ``max_preemptions``; not in ``num_restarts``)."""
-        return self._num_preemptions
+        """Deprecated name of :attr:`num_drains`."""
+        renamed("num_preemptions", "num_drains", DRAIN_WORD)
+        return self.num_drains
+
+    @property
+    def max_preemptions(self) -> int | None:
+        """Deprecated name of :attr:`max_drains`."""
+        return self.max_drains
 
     @property
     def backend(self) -> Backend:
@@ -457,3 +473,15 @@ def _unwrap_optimizer(optimizer: Any) -> Any:
 def _own_arguments() -> list[str]:
     skip = ("self", "ddp_kwargs")
     return [p for p in inspect.signature(RayStrategy.__init__).parameters if p not in skip]
+
+
+def _policies(name: str, max_retries: int, max_drains: int | None) -> tuple[Any, Any]:
+    """Lost workers and drains over the strategy's life: the run loop's policies.
+
+    Kept by the strategy (:mod:`polytrain.runs.policies`), so that the counts go on
+    across the calls' worker groups.
+    """
+    return (
+        FailurePolicy(max_retries, option=f"{name} max_retries"),
+        DrainPolicy(max_drains, f"{name} max_drains"),
+    )

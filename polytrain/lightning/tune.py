@@ -17,7 +17,6 @@ from typing import Any
 from pytorch_lightning.callbacks import Callback
 
 from polytrain.errors import ConfigError
-from polytrain.launchers.scaling import ScalingConfig
 from polytrain.launchers.worker import WORKER_STATE
 
 #: The Lightning events (``on_<event>`` hooks) a report can follow.
@@ -255,22 +254,16 @@ def get_tune_resources(
     Raises:
         polytrain.errors.ConfigError: options a strategy would refuse.
     """
-    from polytrain.tune import tune_resources
+    from polytrain.trainer_api.trainable import tune_resources
 
-    bundle = ScalingConfig(
-        num_workers=num_workers,
-        use_gpu=use_gpu,
-        num_cpus_per_worker=num_cpus_per_worker,
-        resources_per_worker=resources_per_worker,
-        num_gpus_per_worker=num_gpus_per_worker,
-        placement_strategy=placement_strategy,
-    ).worker_bundle()
     return tune_resources(
-        num_workers=num_workers,
-        num_cpus_per_worker=bundle.pop("CPU"),
-        resources_per_worker=bundle,  # GPU (any amount) and custom resources
-        trainable_resources=trainable_resources,
-        placement_strategy=placement_strategy,
+        num_workers,
+        num_cpus_per_worker,
+        use_gpu,
+        resources_per_worker,
+        trainable_resources,
+        placement_strategy,
+        num_gpus_per_worker=num_gpus_per_worker,
     )
 
 

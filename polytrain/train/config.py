@@ -38,13 +38,13 @@ class FailureConfig:
         hang_timeout_s: polytrain's hang watchdog: no report and no progress for this
             long counts as a failure. None: off.
         collective_timeout_s: timeout of one collective (process group / Horovod).
-        max_preemption_failures: drained nodes (a preemption announced by Ray) the run
-            moves off, counted apart from ``max_failures``: the loop reports a
-            checkpoint once ``get_preemption_info()`` answers, and the group restarts
-            off the node from it (docs/own-loop.md). One more drain ends ``fit()`` with
-            :class:`~polytrain.errors.PreemptedError` after that checkpoint. -1 (the
+        max_preemption_failures: drains (Ray's announced loss of a node; Ray Train calls
+            it a preemption) the run moves off, counted apart from ``max_failures``: the
+            loop reports a checkpoint once ``get_preemption_info()`` answers, and the group
+            restarts off the node from it (docs/own-loop.md). One more drain ends ``fit()``
+            with :class:`~polytrain.errors.DrainLimitError` after that checkpoint. -1 (the
             default, as in Ray Train): no limit. The creator API's
-            ``FailureConfig.max_preemptions``.
+            ``FailureConfig.max_drains``.
     """
 
     max_failures: int = 0
@@ -68,12 +68,12 @@ class FailureConfig:
     def to_polytrain(self) -> polytrain_configs.FailureConfig:
         """The creator API's :class:`~polytrain.trainer_api.options.configs.FailureConfig`."""
         retries = 2**31 - 1 if self.max_failures < 0 else self.max_failures
-        preemptions = None if self.max_preemption_failures < 0 else self.max_preemption_failures
+        drains = None if self.max_preemption_failures < 0 else self.max_preemption_failures
         return polytrain_configs.FailureConfig(
             max_retries=retries,
             hang_timeout_s=self.hang_timeout_s,
             collective_timeout_s=self.collective_timeout_s,
-            max_preemptions=preemptions,
+            max_drains=drains,
         )
 
 

@@ -1,8 +1,10 @@
 """Drained nodes in the function API: what the loop learns, and how its group leaves the node.
 
 A cloud preemption or an autoscaler's scale-down reaches Ray as a *drain* of a
-node, usually with a deadline. While ``fit()`` runs, the driver watches Ray's
-draining nodes (:class:`~polytrain.trainer_api.policies.drain.DrainWatch`) and,
+node, usually with a deadline; Ray Train's API calls it a *preemption*
+(``get_preemption_info``, ``PreemptionInfo``, ``max_preemption_failures``), and
+this module keeps Ray's names. While ``fit()`` runs, the run loop watches Ray's
+draining nodes (:class:`~polytrain.runs.watch.drains.DrainWatch`) and,
 when a node of the group starts draining, posts a :class:`PreemptionInfo` on the
 run's report board. The board hands it out from a report number that no rank has
 reached yet, so every rank's ``report()`` call of that number, and of every later
@@ -24,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 from polytrain.errors import ConfigError, PolytrainError
-from polytrain.trainer_api.policies.drain import PREEMPTION, DrainDecision, DrainingNode
+from polytrain.runs.watch.drains import PREEMPTION, DrainEvent, DrainingNode
 
 #: Why a node drains: a preemption (a spot instance reclaimed, a maintenance event).
 #: Ray reports a drain's deadline but not its reason; it refuses an idle-termination
@@ -97,13 +99,13 @@ class PreemptionInfo:
         )
 
     @classmethod
-    def from_decision(
-        cls, decision: DrainDecision, previous: PreemptionInfo | None = None
+    def from_event(
+        cls, event: DrainEvent, previous: PreemptionInfo | None = None
     ) -> PreemptionInfo:
-        """The info of a drain watch's decision, with the nodes of ``previous`` still draining."""
+        """The info of a drain watch's event, with the nodes of ``previous`` still draining."""
         known = {node.node_id: node for node in (previous.nodes if previous else ())}
-        known.update((node.node_id, node) for node in decision.nodes)
-        return cls.from_nodes(list(known.values()), decision.reason)
+        known.update((node.node_id, node) for node in event.nodes)
+        return cls.from_nodes(list(known.values()), event.reason)
 
     @property
     def deadline(self) -> datetime.datetime | None:

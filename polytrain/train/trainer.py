@@ -24,10 +24,18 @@ from collections.abc import Callable
 from typing import Any
 
 from polytrain.backends.core.backend import Backend
+from polytrain.backends.core.context import WorkerContext
+from polytrain.backends.registry import get_backend
 from polytrain.checkpoint.storage import Storage
-from polytrain.errors import ConfigError, ConfigTypeError, PreemptedError
+from polytrain.compat.deprecation import DRAIN_WORD, renamed
+from polytrain.errors import ConfigTypeError
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.scaling import ScalingConfig
+from polytrain.runs.loop import RunLoop
+from polytrain.runs.policies.drain import DrainPolicy
+from polytrain.runs.policies.failure import FailurePolicy
+from polytrain.runs.watch.drains import DrainEvent
+from polytrain.runs.workload import DrainCheckpoint, Workload
 from polytrain.train import worker_entry
 from polytrain.train.board import ReportBoard
 from polytrain.train.checkpoint import Checkpoint
@@ -36,8 +44,6 @@ from polytrain.train.feed import ReportFeed, Sink, TrackerSink, public
 from polytrain.train.preemption import LoopStopped, PreemptionInfo
 from polytrain.train.result import Result
 from polytrain.trainer_api.options.configs import coerce_config
-from polytrain.trainer_api.policies.drain import deadline_phrase, preemption_limit
-from polytrain.trainer_api.trainer import BaseTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -71,26 +77,58 @@ def check_loop(fn: Any, config: dict[str, Any] | None) -> bool:
     return bool(positional or varargs) and (config is not None or bool(required))
 
 
-class _LoopRunner(BaseTrainer):
-    """The worker group's life for one ``fit()``: start, connect, run, restart, leave drained nodes."""
+class _LoopRunner(Workload):
+    """One ``fit()`` on the run loop: what the workers run, and drains told through the report board.
 
-    #: A drained node of the group is left at the checkpoint the loop reports once told
-    #: (every rank stops at that report), not at a call boundary.
-    stops_at_steps = True
+    A drained node of the group is left at the checkpoint the loop reports once told
+    (every rank stops at that report), not at a call boundary.
+    """
+
+    framework = "torch"
 
     def __init__(self, owner: DataParallelTrainer) -> None:
         self.owner = owner
         self._announced: PreemptionInfo | None = None  # the drain the running loop was told of
-        super().__init__(
-            backend=owner.backend,
-            backend_config=owner.backend_config,
-            scaling_config=owner.scaling_config,
-            failure_config=owner.run_config.failure_config.to_polytrain(),
-            use_fp16=owner.use_fp16,
+        failure = owner.run_config.failure_config
+        self.failure = failure.to_polytrain()
+        self.scaling = owner.scaling_config
+        self.use_fp16 = owner.use_fp16
+        self.backend = get_backend(owner.backend, owner.backend_config, framework=self.framework)
+        self.backend.validate_settings(
+            num_workers=self.scaling.num_workers,
+            use_gpu=self.scaling.use_gpu,
+            use_fp16=self.use_fp16,
         )
-        self._start()
+        self.loop = RunLoop(
+            self,
+            self.backend,
+            self.scaling,
+            failure_policy=FailurePolicy(
+                self.failure.max_retries, option="FailureConfig max_failures"
+            ),
+            drain_policy=DrainPolicy(
+                self.failure.max_drains, "FailureConfig max_preemption_failures"
+            ),
+            hang_timeout_s=self.failure.hang_timeout_s,
+        )
+        self.loop.start()
 
-    def _setup_workers(self, group: WorkerGroup) -> None:
+    @property
+    def num_workers(self) -> int:
+        """Workers of the running group (elastic: maybe fewer than asked)."""
+        return self.loop.group_size
+
+    def context(self, world_size: int) -> WorkerContext:
+        """Run loop: every worker's starting context."""
+        return WorkerContext.from_scaling(
+            self.scaling,
+            world_size=world_size,
+            use_fp16=self.use_fp16,
+            timeout_s=self.failure.collective_timeout_s,
+        )
+
+    def setup_workers(self, group: WorkerGroup) -> None:
+        """Run loop: each worker gets the loop, its context and its dataset shards."""
         owner = self.owner
         shards = owner.split_datasets(len(group))
         spec = worker_entry.LoopSpec(
@@ -98,7 +136,7 @@ class _LoopRunner(BaseTrainer):
             config=owner.train_loop_config,
             takes_config=owner.takes_config,
             backend=self.backend,
-            context=self._context_template(),
+            context=self.context(len(group)),
             board=owner.board_handle,
             run_url=owner.run_url,
             experiment_name=owner.name,
@@ -115,15 +153,18 @@ class _LoopRunner(BaseTrainer):
             ]
         )
 
-    def _worker_state(self) -> dict[str, Any]:
-        raise ConfigError("A function-API trainer holds no state; report checkpoints instead.")
-
-    def _load_worker_state(self, state: dict[str, Any]) -> None:
-        raise ConfigError("A function-API trainer holds no state; use resume_from_checkpoint.")
-
-    def _poll_hooks(self) -> list[Callable[[], None]]:
+    def pollers(self) -> list[Callable[[], None]]:
+        """Run loop: the report feed's sinks see rank 0's reports while the loop runs."""
         feed = self.owner.feed
         return [feed.poll] if feed is not None and feed.sinks else []
+
+    def restart_source(self) -> str | None:
+        """Run loop: a restarted loop starts from the latest committed checkpoint."""
+        return self.owner._board_call("latest_checkpoint") or "the start (no checkpoint yet)"
+
+    def before_restart(self, planned: bool) -> None:
+        """Run loop: the new group's board attempt announces nothing old."""
+        self._announced = None
 
     def run(self) -> None:
         """Run the loop on every worker; a retried attempt starts from the latest checkpoint.
@@ -133,12 +174,12 @@ class _LoopRunner(BaseTrainer):
         """
         while True:
             try:
-                results = self._run(worker_entry.run_loop, args_fn=self.owner.attempt_args)
+                results = self.loop.call(worker_entry.run_loop, args_fn=self.owner.attempt_args)
             except BaseException:
                 if self._announced is not None:
                     logger.warning(
                         "%s, and the loop reported no checkpoint after it was told; the run "
-                        "fails with the error below (not retried, or failure_config "
+                        "fails with the error below (not retried, or FailureConfig "
                         "max_failures=%d spent). Its latest checkpoint is %s.",
                         self._announced.describe(),
                         self.owner.run_config.failure_config.max_failures,
@@ -153,15 +194,23 @@ class _LoopRunner(BaseTrainer):
                         _lower_first(self._announced.describe()),
                     )
                 return
-            self._move_off(stop)
+            self._announced = None
+            self.loop.leave_drained_nodes(
+                DrainCheckpoint(
+                    path=self.owner._board_call("latest_checkpoint"),
+                    where=f"report {stop.index}",
+                    resume=(
+                        "A trainer with the same RunConfig(storage_path, name) continues from "
+                        "it (get_checkpoint())"
+                    ),
+                )
+            )
 
-    # ------------------------------------------------------- drained nodes
-    def _poll_drains(self, force: bool = False) -> None:
-        """Poll hook: tell the loop of a drain of the group's nodes, through the report board."""
-        decision = self.drain_watch.poll(force=force)
-        if decision is None:
+    def on_drain(self, event: DrainEvent, new: bool) -> None:
+        """Run loop: tell the loop of a new drain of the group's nodes, through the report board."""
+        if not new:
             return
-        info = PreemptionInfo.from_decision(decision, self._announced)
+        info = PreemptionInfo.from_event(event, self._announced)
         first = self.owner._board_call("announce_preemption", info)
         self._announced = info
         logger.warning(
@@ -169,73 +218,17 @@ class _LoopRunner(BaseTrainer):
             "(report %d of the run; %s on the node). Every rank stops at the first "
             "checkpoint it reports then and the group restarts off the node from it; a loop "
             "that reports none is restarted from its latest checkpoint (%s) once the node is "
-            "gone, as after a lost worker (failure_config max_failures=%d).",
-            decision.describe(),
+            "gone, as after a lost worker (FailureConfig max_failures=%d).",
+            event.describe(),
             first,
-            decision.describe_ranks(),
+            event.describe_ranks(),
             self.owner._board_call("latest_checkpoint") or "none yet",
             self.owner.run_config.failure_config.max_failures,
         )
 
-    def _move_off(self, stop: LoopStopped) -> None:
-        """The loop stopped at its checkpoint after a drain: count it, restart off the node.
-
-        Raises:
-            PreemptedError: more drains than ``max_preemption_failures``; the group is
-                stopped, the checkpoint kept.
-        """
-        info, self._announced = self._announced, None
-        self._preemptions += 1
-        limit = self.failure.max_preemptions
-        checkpoint = self.owner._board_call("latest_checkpoint")
-        left = info.seconds_left() if info is not None else None
-        nodes = ", ".join(info.preempted_node_ids) if info is not None else "(unknown)"
-        logger.warning(
-            "Preemption %d (failure_config max_preemption_failures=%s) of node %s: every rank "
-            "stopped at the loop's checkpoint %s (report %d, %s); the group restarts off the "
-            "node from it.",
-            self._preemptions,
-            preemption_limit(limit),
-            nodes,
-            checkpoint,
-            stop.index,
-            deadline_phrase(left),
-        )
-        self._teardown_group(force=True)  # not to the warm pool: those on the node would return
-        if limit is not None and self._preemptions > limit:
-            raise PreemptedError(
-                f"{info.describe() if info is not None else 'A node drains'}; that is "
-                f"preemption {self._preemptions}, more than failure_config "
-                f"max_preemption_failures={limit}. The loop's checkpoint {checkpoint} holds its "
-                f"state: a trainer with the same RunConfig(storage_path, name) continues from "
-                f"it (get_checkpoint()); or raise max_preemption_failures.",
-                checkpoint_path=checkpoint,
-            )
-        try:
-            self._restart()
-        except BaseException:
-            self._shut_down = True
-            raise
-        logger.warning(
-            "Continuing from %s on %d worker(s) off the drained node(s).",
-            checkpoint,
-            self._group_size,
-        )
-
-    def _restart(self, num_workers: int | None = None) -> None:
-        """A restart after a failure; says so when it is the reactive end of a drain."""
-        if self._announced is not None:
-            info, self._announced = self._announced, None
-            logger.warning(
-                "%s, and the loop reported no checkpoint after it was told; the group lost a "
-                "worker (the node is gone): restarting from the latest checkpoint %s as after "
-                "any lost worker (restart %d, failure_config max_failures=%d).",
-                info.describe(),
-                self.owner._board_call("latest_checkpoint") or "(none: from the start)",
-                self.num_restarts,
-                self.owner.run_config.failure_config.max_failures,
-            )
-        super()._restart(num_workers)
+    def shutdown(self) -> None:
+        """Stop the workers; the run is over."""
+        self.loop.close()
 
 
 class _TFLoopRunner(_LoopRunner):
@@ -318,16 +311,22 @@ class DataParallelTrainer:
 
         Counted in ``FailureConfig.max_failures``; 0 before the first ``fit()``.
         """
-        return self._runner.num_restarts if self._runner is not None else 0
+        return self._runner.loop.num_restarts if self._runner is not None else 0
+
+    @property
+    def num_drains(self) -> int:
+        """Drained nodes the last ``fit()`` moved its workers off (see ``get_preemption_info``).
+
+        Counted in ``FailureConfig.max_preemption_failures`` (Ray calls a drain a
+        preemption), not in :attr:`num_restarts`; 0 before the first ``fit()``.
+        """
+        return self._runner.loop.num_drains if self._runner is not None else 0
 
     @property
     def num_preemptions(self) -> int:
-        """Drained nodes the last ``fit()`` moved its workers off (see ``get_preemption_info``).
-
-        Counted in ``FailureConfig.max_preemption_failures``, not in :attr:`num_restarts`;
-        0 before the first ``fit()``.
-        """
-        return self._runner.num_preemptions if self._runner is not None else 0
+        """Deprecated name of :attr:`num_drains`."""
+        renamed("num_preemptions", "num_drains", DRAIN_WORD)
+        return self.num_drains
 
     def add_report_sink(self, sink: Sink) -> None:
         """Driver: call ``sink(entry)`` with each of rank 0's reports while ``fit()`` runs.

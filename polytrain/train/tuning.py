@@ -83,14 +83,9 @@ def trial_resources(scaling: ScalingConfig) -> Any:
     Raises:
         ConfigError: local mode (``num_workers=0``), which has no workers to place.
     """
-    if scaling.local_mode:
-        raise ConfigError(
-            "ScalingConfig(num_workers=0) (local mode) cannot run as a Tune trial with its own "
-            "workers; set num_workers >= 1 (in the trainer or in param_space['scaling_config'])."
-        )
-    tune = require("ray.tune", "Ray Tune trainables")
-    bundles = [{"CPU": 1.0}] + [scaling.worker_bundle() for _ in range(scaling.num_workers)]
-    return tune.PlacementGroupFactory(bundles, strategy=scaling.placement_strategy)
+    from polytrain.trainer_api.trainable import placement_group_factory
+
+    return placement_group_factory(scaling)
 
 
 def _url_of(checkpoint: Any) -> str:

@@ -67,3 +67,46 @@ def reduce_worker_stats(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def is_finite_number(value: Any) -> bool:
     """True for a real number that is neither NaN nor infinite."""
     return _is_number(value) and math.isfinite(value)
+
+
+#: Summed over the pieces of a call; the rest are sample-weighted means (or the last value).
+_SUMMED = ("num_samples", "num_tokens", "num_steps", "epoch_time_s")
+_LAST = ("num_restarts", "num_workers", "epoch")
+_MAXED = ("peak_memory_mb",)
+
+
+def combine_call_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One call's metrics from those of its pieces (each already reduced over the workers).
+
+    Counts and times add up, ``samples_per_s`` is recomputed, peaks take the
+    maximum, other numbers are averaged weighted by samples, the rest (``epoch``,
+    ``num_restarts``, ``checkpoint_path``) come from the piece that has them last.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    weights = [float(p.get("num_samples", 0) or 0) for p in parts]
+    total = sum(weights) or 1.0
+    combined: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key not in combined or key in _LAST or not isinstance(value, (int, float)):
+                combined[key] = value
+    for key in combined:
+        values = [p[key] for p in parts if isinstance(p.get(key), (int, float))]
+        if key in _SUMMED:
+            combined[key] = sum(values)
+        elif key in _MAXED:
+            combined[key] = max(values)
+        elif key in _LAST or isinstance(combined[key], bool) or len(values) != len(parts):
+            continue
+        elif isinstance(combined[key], float):
+            combined[key] = sum(w * p[key] for w, p in zip(weights, parts, strict=True)) / total
+    combined["epoch"] = parts[0].get("epoch")  # the epoch the call's batches belonged to
+    if combined.get("epoch_time_s"):
+        combined["samples_per_s"] = combined.get("num_samples", 0) / combined["epoch_time_s"]
+        if "num_tokens" in combined:
+            combined["tokens_per_s"] = combined["num_tokens"] / combined["epoch_time_s"]
+    profiles = [p["profile"] for p in parts if isinstance(p.get("profile"), dict)]
+    if profiles:
+        combined["profile"] = {k: sum(float(p.get(k, 0.0)) for p in profiles) for k in profiles[-1]}
+    return combined

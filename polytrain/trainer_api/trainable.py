@@ -75,6 +75,7 @@ __all__ = [
     "TRAINER_OPTION_KEYS",
     "follow_config_changes",
     "make_trainable",
+    "placement_group_factory",
     "tune_resources",
 ]
 
@@ -110,6 +111,8 @@ def tune_resources(
     resources_per_worker: dict[str, float] | None = None,
     trainable_resources: dict[str, float] | None = None,
     placement_strategy: str = "PACK",
+    *,
+    num_gpus_per_worker: float | None = None,
 ) -> PlacementGroupFactory:
     """The placement group a trial needs: bundle 0 for the trainable, one per worker.
 
@@ -125,30 +128,34 @@ def tune_resources(
         trainable_resources: bundle 0, for the trial's own process (default 1 CPU;
             it must not be empty, or the worker group cannot find its bundles).
         placement_strategy: "PACK", "SPREAD", "STRICT_PACK" or "STRICT_SPREAD".
+        num_gpus_per_worker: GPUs per worker bundle, fractional or several (implies ``use_gpu``).
 
     Raises:
         ConfigError: ``num_workers`` < 1 or an empty ``trainable_resources``.
     """
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ConfigError(
-            f"num_workers must be an int >= 1 for a Tune trial; got {num_workers!r}. Local mode "
-            f"(num_workers=0) trains inside the trial's process: give the trainable its "
-            f"resources with tune.with_resources directly."
-        )
-    head = dict(trainable_resources) if trainable_resources is not None else {"CPU": 1}
-    if not any(amount > 0 for amount in head.values()):
-        raise ConfigError(
-            f"trainable_resources must reserve something (e.g. {{'CPU': 1}}); got {head!r}. "
-            f"Tune drops an empty bundle 0, and the workers would then look for their "
-            f"bundles in the wrong places."
-        )
-    worker = {"CPU": float(num_cpus_per_worker)}
-    if use_gpu:
-        worker["GPU"] = 1.0
-    worker.update(resources_per_worker or {})
-    return _tune().PlacementGroupFactory(
-        [head] + [dict(worker) for _ in range(num_workers)], strategy=placement_strategy
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int):
+        raise ConfigError(f"num_workers must be an int >= 1 for a Tune trial; got {num_workers!r}.")
+    scaling = ScalingConfig(
+        num_workers=num_workers,
+        num_cpus_per_worker=num_cpus_per_worker,
+        use_gpu=use_gpu,
+        resources_per_worker=resources_per_worker,
+        placement_strategy=placement_strategy,
+        num_gpus_per_worker=num_gpus_per_worker,
     )
+    return placement_group_factory(scaling, trainable_resources)
+
+
+def placement_group_factory(
+    scaling: ScalingConfig, trainable_resources: dict[str, float] | None = None
+) -> PlacementGroupFactory:
+    """Ray Tune's placement group for a trial of workers shaped like ``scaling``'s.
+
+    The one place every front end builds it (bundles from
+    :meth:`~polytrain.launchers.scaling.ScalingConfig.trial_bundles`).
+    """
+    bundles = scaling.trial_bundles(trainable_resources)
+    return _tune().PlacementGroupFactory(bundles, strategy=scaling.placement_strategy)
 
 
 def _split_trial_config(
@@ -185,15 +192,7 @@ def _resources_of(
     trainer_kwargs: dict[str, Any], trainable_resources: dict[str, float] | None
 ) -> PlacementGroupFactory:
     """The placement group of a trainer built from ``trainer_kwargs``."""
-    scaling = _scaling_of(trainer_kwargs)
-    return tune_resources(
-        scaling.num_workers,
-        scaling.num_cpus_per_worker,
-        scaling.use_gpu,
-        scaling.resources_per_worker,
-        trainable_resources,
-        scaling.placement_strategy,
-    )
+    return placement_group_factory(_scaling_of(trainer_kwargs), trainable_resources)
 
 
 # --------------------------------------------------------------- trials

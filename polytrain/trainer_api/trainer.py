@@ -1,10 +1,13 @@
-"""The loop every trainer shares: options, the worker group's life, calls into it, checkpoints.
+"""What every creator-API trainer shares: options, the data position, checkpoints, and its run loop.
 
-:class:`BaseTrainer` owns the driver's loop: start a worker group through the
-backend's rendezvous, run worker functions on it, and on a failure ask the
-policies (:mod:`polytrain.trainer_api.policies`) whether and at which size to
-restart, resuming from the :class:`~polytrain.trainer_api.checkpointing.manager.CheckpointManager`'s
-latest state. The framework trainers (:class:`~polytrain.trainer_api.torch.trainer.TorchTrainer`,
+A :class:`BaseTrainer` is the creator API's state (options, the data position,
+checkpoints, loggers); its worker groups live in a
+:class:`~polytrain.runs.loop.RunLoop`, the one driver loop under every front end,
+which starts them, runs calls, watches them and acts on the policies' decisions
+(restart, resize, leave a draining node, stop). The trainer is the loop's
+:class:`~polytrain.runs.workload.Workload`: it says how a new group's workers are
+set up and how a restarted group gets its state back. The framework trainers
+(:class:`~polytrain.trainer_api.torch.trainer.TorchTrainer`,
 :class:`~polytrain.trainer_api.tensorflow.trainer.TFTrainer`) add only their framework
 hooks: how workers are set up, and how a state leaves and enters them.
 """
@@ -12,26 +15,34 @@ hooks: how workers are set up, and how a state leaves and enters them.
 from __future__ import annotations
 
 import abc
-import functools
 import logging
 import os
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 from polytrain.backends.core.backend import Backend
 from polytrain.backends.core.context import WorkerContext
-from polytrain.backends.core.rendezvous import Rendezvous
 from polytrain.backends.registry import get_backend
-from polytrain.errors import ConfigTypeError, PreemptedError, TrainerShutdownError
+from polytrain.compat.deprecation import DRAIN_WORD, renamed
+from polytrain.errors import ConfigTypeError, RunStoppedError
 from polytrain.launchers.base import WorkerGroup
-from polytrain.launchers.factory import make_group
 from polytrain.launchers.pool import warm_pool as pool
+from polytrain.runs.loop import RunLoop
+from polytrain.runs.policies.drain import DrainPolicy
+from polytrain.runs.policies.failure import FailurePolicy
+from polytrain.runs.stop_at_step import agree_on_stop, ask_workers
+from polytrain.runs.watch.drains import DrainEvent
+from polytrain.runs.watch.termination import TerminationWatch
+from polytrain.runs.workload import DrainCheckpoint, Workload
 from polytrain.trainer_api.checkpointing.manager import CheckpointManager
 from polytrain.trainer_api.checkpointing.recovery import RecoveryStore
 from polytrain.trainer_api.checkpointing.step_plans import StepCheckpointPlan
-from polytrain.trainer_api.checkpointing.trainer_checkpoints import TrainerCheckpoints
+from polytrain.trainer_api.checkpointing.trainer_checkpoints import (
+    TrainerCheckpoints,
+    WorkerStates,
+)
+from polytrain.trainer_api.data.position import DataPosition
 from polytrain.trainer_api.options.configs import (
     CheckpointConfig,
     FailureConfig,
@@ -40,36 +51,9 @@ from polytrain.trainer_api.options.configs import (
     check_user_config,
     merge_flat_options,
 )
-from polytrain.trainer_api.policies import (
-    FailurePolicy,
-    HangWatchdog,
-    ProgressReporter,
-    ScalingPolicy,
-)
-from polytrain.trainer_api.policies.drain import (
-    DrainDecision,
-    DrainWatch,
-    agree_on_stop,
-    ask_workers,
-    placeable_off_draining,
-    preemption_limit,
-)
-from polytrain.trainer_api.policies.preemption import TerminationWatch
 from polytrain.trainer_api.tracking import TrainerLoggers
 
 logger = logging.getLogger(__name__)
-
-
-def _shutdown_group(rendezvous: Rendezvous | None, group: WorkerGroup, force: bool = False) -> None:
-    # Module-level (not a method): the finalizer that calls it must not keep the trainer alive.
-    if force:
-        # No clean-up call that could wait on a stuck worker, and no warm pool for
-        # workers whose process groups were never torn down: kill them now.
-        getattr(group, "terminate", group.shutdown)()
-        return
-    if rendezvous is not None:
-        rendezvous.shutdown(group)  # never raises: dead workers are shut down too
-    group.shutdown()
 
 
 def _check_init_hook(init_hook: Any) -> Callable[[], None] | None:
@@ -81,11 +65,11 @@ def _check_init_hook(init_hook: Any) -> Callable[[], None] | None:
     return init_hook
 
 
-class BaseTrainer(abc.ABC):
-    """Shared driver logic: options, the worker group, retries, elastic size, checkpoints.
+class BaseTrainer(Workload, abc.ABC):
+    """Shared driver logic: options, the data position, checkpoints; the run loop does the rest.
 
     Subclasses set ``framework``, call ``super().__init__`` and then
-    :meth:`_start`, and implement :meth:`_setup_workers`, :meth:`_worker_state`
+    :meth:`_start`, and implement :meth:`setup_workers`, :meth:`_worker_state`
     and :meth:`_load_worker_state` (and :meth:`_file_state` if their state needs
     converting for a file).
 
@@ -143,11 +127,6 @@ class BaseTrainer(abc.ABC):
         init_hook: Callable[[], None] | None = None,
         loggers: Any = None,
     ) -> None:
-        # First: shutdown() and the finalizer must work even if validation fails.
-        self._group: WorkerGroup | None = None
-        self._rendezvous: Rendezvous | None = None
-        self._finalizer: weakref.finalize | None = None
-        self._shut_down = False
         self.scaling = merge_flat_options(
             ScalingConfig,
             scaling_config,
@@ -170,22 +149,51 @@ class BaseTrainer(abc.ABC):
             use_fp16=self.use_fp16,
         )
         self.init_hook = _check_init_hook(init_hook)
-        #: The data position: the current epoch (counted from 0; the number of epochs
-        #: completed) and the batches of it already trained.
-        self.epoch = 0
-        self._epoch_step = 0
-        self._global_step = 0
+        #: The data position: epoch, batches into it, optimizer steps (what checkpoints hold).
+        self.position = DataPosition()
         self._retries_requested = False
-        self._group_size = self.scaling.num_workers
-        self.failure_policy = FailurePolicy(self.failure.max_retries)
-        self.scaling_policy = self._watch_drains()
+        #: The worker groups and everything that happens to them (:mod:`polytrain.runs.loop`).
+        self.loop = RunLoop(
+            self,
+            self.backend,
+            self.scaling,
+            failure_policy=FailurePolicy(self.failure.max_retries),
+            drain_policy=DrainPolicy(self.failure.max_drains, "failure_config max_drains"),
+            hang_timeout_s=self.failure.hang_timeout_s,
+            init_hook=self.init_hook,
+            use_tqdm=self.use_tqdm,
+            # SIGTERM is only caught with somewhere to keep the state a later run resumes from.
+            termination_enabled=self.checkpoint.checkpoint_dir is not None,
+        )
+        self._stoppable: tuple[int, int] | None = None  # (call id, batches per step) running
+        self._calls = 0
+        self._make_checkpoints()
+        self._loggers = TrainerLoggers(loggers, log_dir=None)
+
+    def _make_checkpoints(self) -> None:
+        """The checkpoint manager, the mid-epoch plan, the recovery store and their front object."""
         self.checkpoint_manager = CheckpointManager(self.checkpoint, keep_latest=self._keeps_state)
         # Mid-epoch checkpoints (torch trainers; TFTrainer's calls are whole epochs).
         self._step_plan = StepCheckpointPlan(self.checkpoint.every_n_steps, self.checkpoint.every_s)
         self.recovery = RecoveryStore(self.checkpoint, self.checkpoint_manager)
         #: Requests, recovery points, save and load (:mod:`.checkpointing.trainer_checkpoints`).
-        self.checkpoints = TrainerCheckpoints(self)
-        self._loggers = TrainerLoggers(loggers, log_dir=None)
+        self.checkpoints = TrainerCheckpoints(
+            loop=self.loop,
+            states=WorkerStates(
+                framework=self.framework,
+                backend_name=self.backend.name,
+                worker_module=self.checkpoint_worker_module,
+                gather=self._worker_state,
+                scatter=self._load_worker_state,
+                for_file=self._file_state,
+            ),
+            position=self.position,
+            manager=self.checkpoint_manager,
+            recovery=self.recovery,
+            config=self.checkpoint,
+            max_failures=self.failure.max_checkpoint_failures,
+            keeps_state=lambda: self._keeps_state,
+        )
 
     @classmethod
     def from_config(cls, path: str | Any, **overrides: Any) -> BaseTrainer:
@@ -215,25 +223,50 @@ class BaseTrainer(abc.ABC):
     @property
     def num_workers(self) -> int:
         """Workers in the running group (fewer than requested while shrunk by elastic training)."""
-        return self._group_size
+        return self.loop.group_size
 
     @property
     def num_restarts(self) -> int:
         """Restarts of the worker group after lost or hung workers so far."""
-        return self.failure_policy.num_restarts
+        return self.loop.num_restarts
+
+    @property
+    def num_drains(self) -> int:
+        """Drained nodes the group moved off so far (not counted in :attr:`num_restarts`)."""
+        return self.loop.num_drains
 
     @property
     def num_preemptions(self) -> int:
-        """Drained nodes the group moved off so far (not counted in :attr:`num_restarts`)."""
-        return self._preemptions
+        """Deprecated name of :attr:`num_drains`."""
+        renamed("num_preemptions", "num_drains", DRAIN_WORD)
+        return self.num_drains
 
-    @functools.cached_property
-    def preemption(self) -> TerminationWatch:
-        """SIGTERM during ``train()``: a checkpoint at the next boundary, then PreemptedError.
+    @property
+    def termination(self) -> TerminationWatch:
+        """The driver's SIGTERM during ``train()``: a checkpoint at the next boundary, then TerminatedError.
 
         Only with a ``checkpoint_dir`` (docs/failures.md).
         """
-        return TerminationWatch(enabled=self.checkpoint.checkpoint_dir is not None)
+        return self.loop.termination
+
+    @property
+    def preemption(self) -> TerminationWatch:
+        """Deprecated name of :attr:`termination`."""
+        renamed("trainer.preemption", "trainer.termination", "the driver's SIGTERM watch")
+        return self.termination
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch, counted from 0: the number of epochs completed."""
+        return self.position.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.position.epoch = value
+
+    @property
+    def _group(self) -> WorkerGroup | None:
+        return self.loop.group
 
     @property
     def _keeps_state(self) -> bool:
@@ -247,12 +280,8 @@ class BaseTrainer(abc.ABC):
 
     # ------------------------------------------------------- framework hooks
     @abc.abstractmethod
-    def _setup_workers(self, group: WorkerGroup) -> None:
-        """Driver: build the framework's components in every worker of a new group."""
-
-    @abc.abstractmethod
     def _worker_state(self) -> dict[str, Any]:
-        """Driver: the training state from the workers, before :meth:`_wrap_state`."""
+        """Driver: the training state from the workers, before it is wrapped as a checkpoint."""
 
     @abc.abstractmethod
     def _load_worker_state(self, state: dict[str, Any]) -> None:
@@ -262,101 +291,76 @@ class BaseTrainer(abc.ABC):
         """Driver: ``state`` as :meth:`save` writes it (default: unchanged)."""
         return state
 
-    # ------------------------------------------------------------- lifecycle
-    def _context_template(self) -> WorkerContext:
-        """The context every worker of the current group starts from."""
+    # ------------------------------------------------ run loop hooks (Workload)
+    def context(self, world_size: int) -> WorkerContext:
+        """Run loop: the context every worker of a new group starts from."""
         return WorkerContext.from_scaling(
             self.scaling,
-            world_size=self._group_size,
+            world_size=world_size,
             use_fp16=self.use_fp16,
             timeout_s=self.failure.collective_timeout_s,
             step=getattr(self, "step", None),  # TorchTrainer's StepOptions
         )
 
+    def _context_template(self) -> WorkerContext:
+        return self.context(self.loop.group_size)
+
+    def started(self) -> None:
+        """Run loop: a group started; ``CheckpointConfig(resume=True)`` loads once, at the first."""
+        self.checkpoints.resume_if_requested()
+
+    def before_restart(self, planned: bool) -> None:
+        """Run loop: a planned restart lets the workers finish their background writes first."""
+        if planned:
+            self.checkpoints.flush()
+        else:
+            self.checkpoints.sync_recovery_point()
+
+    def restore(self) -> None:
+        """Run loop: load the latest recovery point into the restarted group (none: epoch 0)."""
+        point = self.recovery.latest
+        if point is None:
+            self.position.epoch = self.position.epoch_step = 0
+        elif point.state is not None:
+            self.load_state_dict(point.state)
+        else:
+            self.checkpoints.load_recovery_file(point.path)
+            self.position.epoch, self.position.epoch_step = point.epoch, point.epoch_step
+
+    def on_drain(self, event: DrainEvent, new: bool) -> None:
+        """Run loop: say what happens to the running call, and have it stop at an agreed step."""
+        if new:
+            logger.warning(
+                "%s: the workers (%s) finish their current %s, checkpoint there and "
+                "the group continues without the node.",
+                event.describe(),
+                event.describe_ranks(),
+                "step" if self.stops_at_steps else "training call (an epoch)",
+            )
+        if self._stoppable is None or self.loop.group is None:
+            return
+        (call_id, unit), self._stoppable = self._stoppable, None  # one agreement per call
+        group = self.loop.group
+        target = agree_on_stop(lambda req: ask_workers(group, {**req, "call": call_id}), unit)
+        if target is None:
+            logger.warning(
+                "The workers did not agree on a step to stop at; the call runs to its end, "
+                "then the group moves off the draining node."
+            )
+        else:
+            logger.info("Every worker stops after batch %d of the running call.", target)
+
+    # ------------------------------------------------------------- lifecycle
     def _start(self) -> None:
-        """Start a worker group of ``_group_size``, connect it and set up every worker."""
-        rendezvous = self.backend.make_rendezvous()
-        group = make_group(
-            self.scaling,
-            env_vars=rendezvous.worker_env_vars(),
-            num_workers=self._group_size,
-            preload=self.backend.preload_modules,
-        )
-        try:
-            group.start()
-            if self.init_hook is not None:
-                group.execute(self.init_hook)
-            rendezvous.on_start(group, self._context_template())
-            self._setup_workers(group)
-        except BaseException:
-            _shutdown_group(rendezvous, group)
-            raise
-        self._group, self._rendezvous = group, rendezvous
-        self.drain_watch.watch(group.metadata)
-        self._drain = None  # Ray places nothing on a draining node: the new group is clear of it
-        # Release the actors even if the user never calls shutdown().
-        self._finalizer = weakref.finalize(self, _shutdown_group, rendezvous, group)
-        self.checkpoints.resume_if_requested()  # CheckpointConfig(resume=True): once, at the first start
+        """Start the first worker group (the run loop connects it and calls :meth:`setup_workers`)."""
+        self.loop.start()
 
     def _ensure_open(self) -> None:
-        if self._shut_down:
-            raise TrainerShutdownError(
-                f"This {type(self).__name__} is shut down; create a new one."
-            )
-
-    def _poll_hooks(self) -> list[Callable[[], None]]:
-        """Driver: more functions to call while a call runs (every 0.25 s; default: none)."""
-        return []
+        self.loop.ensure_open()
 
     def _share(self, value: Any) -> Any:
         """``value`` as one shared copy for every worker of the group (a checkpoint)."""
-        return self._group.share(value) if self._group is not None else value
-
-    def _run_once(
-        self,
-        fn: Callable[..., Any],
-        *args: Any,
-        progress: str | None = None,
-    ) -> list[Any]:
-        """Run ``fn`` on every worker once and return the results in rank order.
-
-        A worker failure tears the whole group down before the error reaches the
-        caller, so no worker is left blocked in a collective. With
-        ``hang_timeout_s`` set, a :class:`HangWatchdog` turns a group that stopped
-        making progress into a :class:`~polytrain.errors.WorkerHangError`.
-        """
-        self._ensure_open()
-        group = self._group
-        if self.scaling.local_mode:
-            return group.execute(fn, *args)
-        bar = ProgressReporter(group, progress) if progress and self.use_tqdm else None
-        watchdog = (
-            HangWatchdog(group, self.failure.hang_timeout_s)
-            if self.failure.hang_timeout_s is not None
-            else None
-        )
-        pollers = [p.poll for p in (bar, watchdog) if p is not None] + self._poll_hooks()
-        if self.drain_watch.enabled:
-            pollers.append(self._poll_drains)
-
-        def on_poll() -> None:
-            for poll in pollers:
-                poll()
-
-        try:
-            refs = group.execute_async(fn, *args)
-            results = group.get(refs, on_poll=on_poll, poll_interval_s=0.25)
-        except BaseException:
-            # A worker error, a hang, or KeyboardInterrupt: stop every worker now.
-            if bar:
-                bar.close()
-            self._teardown_group()
-            raise
-        finally:
-            self._stoppable = None
-        if bar:
-            bar.close(results[0] if isinstance(results[0], dict) else None)
-        return results
+        return self.loop.share(value)
 
     def _run(
         self,
@@ -366,29 +370,21 @@ class BaseTrainer(abc.ABC):
         max_retries: int | None = None,
         args_fn: Callable[[], tuple[Any, ...]] | None = None,
     ) -> list[Any]:
-        """Run ``fn`` on every worker (results in rank order), restarting the group after a lost or hung worker.
+        """Run ``fn`` on every worker through the run loop (results in rank order).
 
-        The :class:`FailurePolicy` decides: a worker that died (killed, out of
-        memory, node lost) or hung is replaced (the group is torn down, a new one
-        starts, the latest recovery point is restored and the call is repeated)
-        up to ``failure_config.max_retries`` restarts over the trainer's life, or
-        ``max_retries`` restarts of this call when given. Anything else, an
-        exception raised by user code above all, shuts the trainer down.
-        ``args_fn`` (instead of ``args``) builds the arguments for every attempt:
-        a repeated call starts from the restored position.
+        A lost or hung worker restarts the group from the latest recovery point and
+        repeats the call, up to ``failure_config.max_retries`` restarts over the
+        trainer's life, or ``max_retries`` restarts of this call when given;
+        anything else, an exception raised by user code above all, shuts the
+        trainer down. ``args_fn`` (instead of ``args``) builds the arguments for
+        every attempt: a repeated call starts from the restored position.
         """
-        restarts = 0
-        while True:
-            call_args = args_fn() if args_fn is not None else args
-            try:
-                return self._run_once(fn, *call_args, progress=progress)
-            except BaseException as exc:
-                if not self.failure_policy.should_retry(exc, max_retries, restarts):
-                    self._shut_down = True
-                    raise
-                restarts += 1
-                self.failure_policy.record_restart(exc)
-                self._restart()
+        try:
+            return self.loop.call(
+                fn, *args, progress=progress, max_retries=max_retries, args_fn=args_fn
+            )
+        finally:
+            self._stoppable = None
 
     def _log(self, prefix: str, stats: dict[str, Any]) -> None:
         # The epoch the call's batches belonged to (trainer.epoch has already moved on
@@ -396,7 +392,7 @@ class BaseTrainer(abc.ABC):
         if prefix == "train" and isinstance(stats.get("epoch"), int):
             self._logged_epoch = stats["epoch"]
         epoch = getattr(self, "_logged_epoch", self.epoch)
-        self._loggers.log(prefix, stats, self._global_step, epoch, self._run_info)
+        self._loggers.log(prefix, stats, self.position.global_step, epoch, self._run_info)
 
     def _run_info(self) -> dict[str, Any]:
         return {
@@ -407,193 +403,87 @@ class BaseTrainer(abc.ABC):
         }
 
     # -------------------------------------------------- the data position
-    def _restart(self, num_workers: int | None = None) -> None:
-        """Start a fresh group and restore the latest recovery point into it.
-
-        ``num_workers`` None: the :class:`ScalingPolicy` sizes the group (with
-        ``min_workers``, as many workers as the cluster holds now). Without a
-        recovery point the new workers start from the creators, at epoch 0.
-        """
-        # A planned restart (an elastic group growing back) first lets the workers
-        # finish their background writes.
-        if self._group is not None:
-            self.checkpoints.flush()
-        else:
-            self.checkpoints.sync_recovery_point()
-        self._teardown_group()
-        self._group_size = num_workers or self.scaling_policy.restart_size()
-        self._start()
-        point = self.recovery.latest
-        if point is None:
-            self.epoch = self._epoch_step = 0
-        elif point.state is not None:
-            self.load_state_dict(point.state)
-        else:
-            self.checkpoints.load_recovery_file(point.path)
-            self.epoch, self._epoch_step = point.epoch, point.epoch_step
-
     def _begin_call(self, max_retries: int | None = None) -> None:
         """Before a training call: note a per-call retry wish; at an epoch start, grow a shrunk group back.
 
         A node of the group that started draining since the last call is left first.
         """
         self._ensure_open()
-        if self.drain_watch.enabled:
-            self._poll_drains(force=True)
-            self._leave_draining_nodes()
+        if self.loop.drain_watch.enabled:
+            self.loop.poll_drains(force=True)
+            self._leave_drained_nodes()
         if max_retries is not None:
             check_int("max_retries", max_retries, 0)
             if max_retries > 0 and not self._keeps_state:
                 # From now on epoch ends keep a state; until the first one, restart from here.
                 self._retries_requested = True
-                if self.recovery.latest is None and (self.epoch or self._epoch_step):
+                position = self.position
+                if self.recovery.latest is None and (position.epoch or position.epoch_step):
                     self.recovery.remember_state(self.state_dict())
         if (
-            self._epoch_step == 0
+            self.position.epoch_step == 0
             and self.recovery.is_at(self.epoch, 0)
-            and self.scaling_policy.should_grow(self._group_size)
+            and self.loop.scaling_policy.should_grow(self.loop.group_size)
         ):
-            self._restart(self.scaling.num_workers)
+            self.loop.restart(self.scaling.num_workers)
 
     def _end_call(self, stats: dict[str, Any], cursor: dict[str, Any]) -> dict[str, Any]:
         """After a training call: move the data position, add restart and size stats."""
+        position = self.position
         if cursor["epoch_done"]:
-            self.epoch, self._epoch_step = cursor["epoch"] + 1, 0
+            position.epoch, position.epoch_step = cursor["epoch"] + 1, 0
         else:
-            self.epoch, self._epoch_step = cursor["epoch"], cursor["position"]
-        self._global_step += int(stats.get("num_steps", 0) or 0)
+            position.epoch, position.epoch_step = cursor["epoch"], cursor["position"]
+        position.global_step += int(stats.get("num_steps", 0) or 0)
         stats["epoch"] = cursor["epoch"]
         stats["num_restarts"] = self.num_restarts
         stats["num_workers"] = self.num_workers
         return stats
 
-    def _stop_if_preempted(self) -> None:
-        """At a boundary after a termination signal: checkpoint here, shut down, raise PreemptedError."""
-        if not self.preemption.requested():
-            return
-        name = self.preemption.describe()
-        logger.warning(
-            "%s received: the workers checkpoint at epoch %d, batch %d, then training stops.",
-            name,
-            self.epoch,
-            self._epoch_step,
-        )
+    def _stop_if_terminated(self) -> None:
+        """At a boundary after the driver's SIGTERM: checkpoint here, shut down, raise TerminatedError."""
         try:
-            path = self.checkpoints.checkpoint_here()
-        except Exception as exc:  # noqa: BLE001 (the process stops either way; say what is kept)
-            logger.error("The checkpoint at the stop failed: %s", exc)
-            path = None
-        kept = path or self.checkpoint_manager.latest_path
-        self.shutdown()
-        where = (
-            f"checkpoint {path} holds epoch {self.epoch}, batch {self._epoch_step}: no step lost"
-            if path
-            else f"the checkpoint at the stop failed; the newest one is {kept or 'none'}"
-        )
-        raise PreemptedError(
-            f"Training stopped on {name}: {where}. Run the same command with resume=True "
-            f"(polytrain train --resume) to continue; exit with status "
-            f"{PreemptedError.exit_code}.",
-            checkpoint_path=path,
-            signal_number=self.preemption.received or 15,
-        )
+            self.loop.stop_if_terminated(
+                self.checkpoints.checkpoint_here,
+                self.position.describe(),
+                newest=lambda: self.checkpoint_manager.latest_path,
+            )
+        except RunStoppedError:
+            self.shutdown()
+            raise
 
     # ------------------------------------------------------- drained nodes
-    def _watch_drains(self) -> ScalingPolicy:
-        """Set up the drain watch; returns the scaling policy, which sizes groups without draining nodes."""
-        #: Ray's draining nodes, read while training calls run (see :meth:`_poll_drains`).
-        #: A trainer whose calls cannot stop at a step (TFTrainer's epoch calls) leaves a
-        #: draining node at the next call boundary.
-        self.drain_watch = DrainWatch(enabled=not self.scaling.local_mode)
-        self._drain: DrainDecision | None = None  # a drain seen and not acted on yet
-        self._stoppable: tuple[int, int] | None = None  # (call id, batches per step) running
-        self._calls = 0
-        self._preemptions = 0
-        # A partial of the watch, not a method of self: the policy keeps no cycle to the trainer.
-        return ScalingPolicy(
-            self.scaling,
-            placeable=functools.partial(placeable_off_draining, self.scaling, self.drain_watch),
-        )
-
     def _open_stoppable_call(self, batches_per_step: int = 1) -> int | None:
         """Number the training call about to run, which a drain may stop after a step; None: not watched."""
-        if not self.drain_watch.enabled:
+        if not self.loop.drain_watch.enabled:
             return None
         self._calls += 1
         self._stoppable = (self._calls, batches_per_step)
         return self._calls
 
-    def _poll_drains(self, force: bool = False) -> None:
-        """Poll hook: note a drain of the group's nodes; have a running training call stop at a step."""
-        decision = self.drain_watch.poll(force=force)
-        if decision is not None:
-            logger.warning(
-                "%s: the workers (%s) finish their current %s, checkpoint there and "
-                "the group continues without the node.",
-                decision.describe(),
-                decision.describe_ranks(),
-                "step" if self.stops_at_steps else "training call (an epoch)",
-            )
-            nodes = (self._drain.nodes if self._drain else ()) + decision.nodes
-            self._drain = DrainDecision(nodes, decision.reason)
-        if self._drain is None or self._stoppable is None or self._group is None:
-            return
-        (call_id, unit), self._stoppable = self._stoppable, None  # one agreement per call
-        group = self._group
-        target = agree_on_stop(lambda req: ask_workers(group, {**req, "call": call_id}), unit)
-        if target is None:
-            logger.warning(
-                "The workers did not agree on a step to stop at; the call runs to its end, "
-                "then the group moves off the draining node."
-            )
-        else:
-            logger.info("Every worker stops after batch %d of the running call.", target)
-
-    def _leave_draining_nodes(self) -> None:
-        """At a step boundary after a drain: checkpoint here, count the preemption, restart off the node.
+    def _leave_drained_nodes(self) -> None:
+        """At a step boundary after a drain: checkpoint here; the run loop moves the group off the node.
 
         The restarted group has as many workers as fit elsewhere (elastic
         ``min_workers``), else waits for room (an autoscaler's replacement node) as
         any restart does; it resumes at this very batch.
 
         Raises:
-            PreemptedError: more drains than ``failure_config.max_preemptions``; the
+            DrainLimitError: more drains than ``failure_config.max_drains``; the
                 trainer is shut down after the checkpoint.
         """
-        decision, self._drain = self._drain, None
-        if decision is None or self._group is None:
+        if self.loop.pending_drain is None or self.loop.group is None:
             return
-        self._preemptions += 1
-        limit = self.failure.max_preemptions
-        path = self._checkpoint_for_drain()
-        where = f"epoch {self.epoch}, batch {self._epoch_step}"
-        logger.warning(
-            "Preemption %d (failure_config max_preemptions=%s) of node %s: checkpoint %s holds "
-            "%s (%s).",
-            self._preemptions,
-            preemption_limit(limit),
-            ", ".join(decision.node_ids),
-            path or "(kept by the driver)",
-            where,
-            decision.deadline_note(),
+        stop = DrainCheckpoint(
+            path=self._checkpoint_for_drain(),
+            where=self.position.describe(),
+            resume="Resume from it (resume=True)",
         )
-        if limit is not None and self._preemptions > limit:
-            self.shutdown()
-            raise PreemptedError(
-                f"{decision.describe()}; that is preemption {self._preemptions}, more than "
-                f"failure_config max_preemptions={limit}. Checkpoint {path} holds {where}: resume "
-                f"from it (resume=True) or raise max_preemptions.",
-                checkpoint_path=path,
-            )
-        self._teardown_group(force=True)  # not to the warm pool: those on the node would return
         try:
-            self._restart()
-        except BaseException:
-            self._shut_down = True
+            self.loop.leave_drained_nodes(stop)
+        except RunStoppedError:
+            self.shutdown()
             raise
-        logger.warning(
-            "Continuing at %s on %d worker(s) off the drained node(s).", where, self._group_size
-        )
 
     def _checkpoint_for_drain(self) -> str | None:
         """A checkpoint at the current position as the recovery point; its path (None: held by the driver)."""
@@ -652,14 +542,6 @@ class BaseTrainer(abc.ABC):
         return self._run(fn, *args)
 
     # -------------------------------------------------------------- shutdown
-    def _teardown_group(self, force: bool = False) -> None:
-        group, self._group = self._group, None
-        rendezvous, self._rendezvous = self._rendezvous, None
-        if group is not None:
-            if self._finalizer is not None:
-                self._finalizer.detach()
-            _shutdown_group(rendezvous, group, force)
-
     def shutdown(self, force: bool = False, release_workers: bool = False) -> None:
         """Stop the workers (a healthy group stays warm in the pool). Later calls raise.
 
@@ -673,13 +555,14 @@ class BaseTrainer(abc.ABC):
                 group of the pool (:func:`polytrain.pool.clear`); returns once Ray shows
                 their resources free (at most a few seconds).
         """
+        loop = getattr(self, "loop", None)
+        if loop is None:  # the constructor failed before the run loop existed
+            return
         if not force:
             self.checkpoints.flush()  # background checkpoint writes finish and commit
-        self._teardown_group(force=force)
+        loop.close(force=force)
         if release_workers:  # the group went to the pool (or was stopped): cleared with the rest
             pool.POOL.clear(wait_s=5.0)
-        self.scaling_policy.release()  # an autoscaler may let the extra nodes go
-        self._shut_down = True
         self._loggers.finish()
         self.recovery.close()
         self.checkpoint_manager.close()

@@ -348,7 +348,7 @@ def check_drain(cluster, nodes: dict, tmp: Path) -> dict:
         drainer.join(30)
         after = trainer.apply_all_workers(worker_facts)
         model = trainer.get_model()
-        counts = {"preemptions": trainer.num_preemptions, "restarts": trainer.num_restarts}
+        counts = {"drains": trainer.num_drains, "restarts": trainer.num_restarts}
     finally:
         trainer.shutdown()
         logging.getLogger("polytrain").removeHandler(handler)
@@ -401,7 +401,7 @@ def check_tf_drain(cluster, nodes: dict, tmp: Path) -> dict:
         drainer.join(30)
         stats.append(trainer.train(num_steps=30))
         after = trainer.apply_all_workers(worker_facts)
-        counts = {"preemptions": trainer.num_preemptions, "restarts": trainer.num_restarts}
+        counts = {"drains": trainer.num_drains, "restarts": trainer.num_restarts}
     finally:
         trainer.shutdown()
         logging.getLogger("polytrain").removeHandler(handler)

@@ -425,7 +425,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "torchrun_ddp_script.py")
 
 
 def test_launch_runs_an_unmodified_torchrun_script_and_restarts_it(tmp_path, no_leftover_actors):
-    from polytrain.train.launch import launch
+    from polytrain.cli.launch_runner import launch
 
     # rank 1 exits 3 on the first attempt; the restart succeeds
     code = launch(

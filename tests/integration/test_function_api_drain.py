@@ -179,7 +179,7 @@ def _fit_on_a_drained_cluster(tmp: Path) -> dict:
     return {
         "fit_seconds": round(fit_s, 1),
         "drained": drained,
-        "preemptions": trainer.num_preemptions,
+        "drains": trainer.num_drains,
         "restarts": trainer.num_restarts,
         "reported_steps": [int(step) for step in result.metrics_dataframe["step"]],
         "facts": _read_jsonl(tmp / "facts.jsonl"),
@@ -252,7 +252,7 @@ def test_the_drained_node_is_left_at_the_loops_checkpoint_counted_as_a_preemptio
     victim = drained["drained"]["victim"]
     assert rank1["node_id"] == victim
     # max_failures=0 survived it: a preemption, no restart
-    assert drained["preemptions"] == 1 and drained["restarts"] == 0
+    assert drained["drains"] == 1 and drained["restarts"] == 0
     # the loop went on, elastic, on the node left, from the step after its checkpoint
     assert after["node_id"] != victim and after["rank"] == 0
     steps0 = drained["seen"]["0"]
@@ -302,8 +302,8 @@ def test_the_log_names_the_node_the_reason_the_deadline_and_what_is_done(drained
     ), lines
     assert any(
         line.startswith(
-            f"Preemption 1 (failure_config max_preemption_failures=unlimited) of node "
-            f"{rank1['node_id']}: every rank stopped at the loop's checkpoint "
+            f"Drain 1 (FailureConfig max_preemption_failures=unlimited) of node "
+            f"{rank1['node_id']}: checkpoint "
         )
         for line in lines
     ), lines

@@ -186,7 +186,7 @@ def _fit(tmp: Path, name: str, strategy_name: str, drain: bool) -> tuple[dict, o
     record = {
         "fit_seconds": round(time.monotonic() - started, 1),
         "drained": drained,
-        "preemptions": strategy.num_preemptions,
+        "drains": strategy.num_drains,
         "restarts": strategy.num_restarts,
         "global_step": trainer.global_step,
         "current_epoch": trainer.current_epoch,
@@ -260,7 +260,7 @@ def _check_validate(tmp: Path, lines: list[str]) -> dict:
         "seconds": round(time.monotonic() - started, 1),
         "drained": drained,
         "metrics": metrics,
-        "preemptions": strategy.num_preemptions,
+        "drains": strategy.num_drains,
         "restarts": strategy.num_restarts,
         "facts": [json.loads(line) for line in _read(Path(files["facts"]))],
         "log": list(lines),
@@ -383,7 +383,7 @@ def test_the_drained_node_is_left_as_a_preemption_not_a_restart(run):
     victim = drained["drained"]["victim"]
     assert first[1]["node_id"] == victim and first[0]["node_id"] != victim  # one per node
     # max_retries=0 survived it: one preemption, no restart
-    assert drained["preemptions"] == 1 and drained["restarts"] == 0
+    assert drained["drains"] == 1 and drained["restarts"] == 0
     # the new group runs off the draining node, from the batch after the stop
     assert all(f["node_id"] != victim for f in second), second
     assert second[0]["epoch"] == 0 and 0 < second[0]["batch"] < BATCHES
@@ -392,7 +392,7 @@ def test_the_drained_node_is_left_as_a_preemption_not_a_restart(run):
 
 def test_every_step_trained_once_with_the_weights_of_the_uninterrupted_fit(run):
     assert run["reference"]["history"] == _every_step()
-    assert run["reference"]["preemptions"] == 0
+    assert run["reference"]["drains"] == 0
     history = run["drained"]["history"]
     assert history == _every_step()  # no repeat, no gap, in order
     assert run["unequal"] == []  # torch.equal for every tensor of the state dict
@@ -413,14 +413,14 @@ def test_the_log_names_the_node_the_reason_the_deadline_and_the_checkpoint(run):
         "continues off the node."
     )
     stop = second[0]["batch"]
-    preempted = [line for line in lines if line.startswith("Preemption 1 ")]
+    preempted = [line for line in lines if line.startswith("Drain 1 ")]
     assert len(preempted) == 1, lines
     assert preempted[0].startswith(
-        f"Preemption 1 ({run['strategy']} max_preemptions=unlimited) of node {victim}: checkpoint "
+        f"Drain 1 ({run['strategy']} max_drains=unlimited) of node {victim}: checkpoint "
     )
     assert f"holds epoch 0, batch {stop} (global step {stop}) (" in preempted[0]
     assert preempted[0].endswith(" s before the deadline).")
-    assert any(line.startswith("Continuing the fit from ") for line in lines), lines
+    assert any(line.startswith("Continuing from ") for line in lines), lines
     assert not any("; restart " in line for line in lines), lines  # not a lost worker
 
 
@@ -433,7 +433,7 @@ def test_a_validate_call_on_a_drained_node_runs_again_off_it(ddp_script):
     assert run["status"] == "ok", run.get("error")
     victim = run["drained"]["victim"]
     assert run["drained"]["accepted"][0] is True
-    assert run["preemptions"] == 1 and run["restarts"] == 0
+    assert run["drains"] == 1 and run["restarts"] == 0
     facts = run["facts"]
     assert len(facts) == 4, facts  # two groups of two
     first, second = facts[:2], facts[2:]
@@ -447,7 +447,7 @@ def test_a_validate_call_on_a_drained_node_runs_again_off_it(ddp_script):
         for line in run["log"]
     ), run["log"]
     assert any(
-        line.startswith(f"Preemption 1 (RayStrategy max_preemptions=unlimited) of node {victim}: ")
+        line.startswith(f"Drain 1 (RayStrategy max_drains=unlimited) of node {victim}: ")
         and "the validate call stopped" in line
         for line in run["log"]
     ), run["log"]

@@ -185,7 +185,7 @@ def test_a_drained_node_is_left_at_a_step_with_no_step_lost(drained):
     assert {w["node_id"] for w in drained["after"]} == before - {victim}
     assert drained["num_workers"] == [1, 1]
     # a preemption, counted apart: max_retries=0 survived it
-    assert drained["preemptions"] == 1 and drained["restarts"] == 0
+    assert drained["drains"] == 1 and drained["restarts"] == 0
     assert drained["epochs"] == [0, 1] and drained["num_steps"] == [16, 16]
     # every batch of both epochs trained exactly once, the stop mid-epoch 0
     batches = [(int(e), int(b), int(w)) for e, b, w in drained["batches"]]
@@ -201,7 +201,7 @@ def test_a_drained_node_is_left_at_a_step_with_no_step_lost(drained):
         for line in lines
     ), lines
     assert any(
-        line.startswith("Preemption 1 (failure_config max_preemptions=unlimited)") for line in lines
+        line.startswith("Drain 1 (failure_config max_drains=unlimited)") for line in lines
     ), lines
     assert drained["seconds"] < 60
 
@@ -219,10 +219,10 @@ def test_tf_leaves_a_drained_node_at_the_end_of_the_running_epoch(multinode):
     assert result["num_workers"] == [2, 1] and result["epochs"] == [0, 1]
     # whole epochs (the digits set is 23 steps of 64): none cut short, none lost
     assert result["num_steps"][0] == result["num_steps"][1] > 0
-    assert result["preemptions"] == 1 and result["restarts"] == 0
+    assert result["drains"] == 1 and result["restarts"] == 0
     lines = result["log"]
     assert any(
         f"Node {victim} (" in line and "finish their current training call (an epoch)" in line
         for line in lines
     ), lines
-    assert any(line.startswith("Preemption 1 (failure_config max_preemptions=") for line in lines)
+    assert any(line.startswith("Drain 1 (failure_config max_drains=") for line in lines)

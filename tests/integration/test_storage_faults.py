@@ -134,7 +134,7 @@ def test_resume_skips_an_uncommitted_and_a_truncated_newest_checkpoint(
     caplog.set_level(logging.WARNING, logger="polytrain")
     resumed = _trainer(folder, resume=True)
     try:
-        assert (resumed.epoch, resumed._epoch_step) == (0, 4)
+        assert (resumed.epoch, resumed.position.epoch_step) == (0, 4)
         got = resumed.state_dict()
     finally:
         resumed.shutdown()

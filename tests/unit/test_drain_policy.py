@@ -10,15 +10,12 @@ from typing import Any
 import pytest
 
 from polytrain.errors import ConfigError, ConfigTypeError
+from polytrain.launchers.cluster.connect import placeable_outside
 from polytrain.launchers.worker import STOP_HANDLER, WORKER_STATE, Worker
+from polytrain.runs.policies.drain import DrainPolicy, LeaveNodes, StopRun
+from polytrain.runs.stop_at_step import agree_on_stop, stop_target
+from polytrain.runs.watch.drains import PREEMPTION, DrainWatch
 from polytrain.trainer_api.options.configs import FailureConfig
-from polytrain.trainer_api.policies.drain import (
-    PREEMPTION,
-    DrainWatch,
-    agree_on_stop,
-    placeable_outside,
-    stop_target,
-)
 from polytrain.trainer_api.torch.stopping import GatedSteps, StopGate, gate
 
 
@@ -309,40 +306,59 @@ def test_placeable_outside_skips_draining_nodes_and_counts_per_node():
     assert placeable_outside({"CPU": 1, "GPU": 1}, [], free) == 1
 
 
-def test_max_preemptions_is_unlimited_by_default_and_checked():
-    assert FailureConfig().max_preemptions is None
-    assert FailureConfig(max_preemptions=0).max_preemptions == 0
-    with pytest.raises(ConfigError, match="max_preemptions must be >= 0; got -1"):
-        FailureConfig(max_preemptions=-1)
-    with pytest.raises(ConfigTypeError, match="max_preemptions"):
-        FailureConfig(max_preemptions="3")
+def test_max_drains_is_unlimited_by_default_and_checked():
+    assert FailureConfig().max_drains is None
+    assert FailureConfig(max_drains=0).max_drains == 0
+    with pytest.raises(ConfigError, match="max_drains must be >= 0; got -1"):
+        FailureConfig(max_drains=-1)
+    with pytest.raises(ConfigTypeError, match="max_drains"):
+        FailureConfig(max_drains="3")
+
+
+def test_max_preemptions_still_sets_the_drain_limit_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match="max_preemptions is now max_drains"):
+        config = FailureConfig(max_preemptions=2)
+    assert config.max_drains == 2
+    with pytest.raises(ConfigError, match="set max_drains only"):
+        FailureConfig(max_drains=1, max_preemptions=2)
+
+
+def test_the_drain_policy_counts_and_stops_past_its_limit():
+    unlimited = DrainPolicy(None)
+    assert [unlimited.decide() for _ in range(3)] == [LeaveNodes(1), LeaveNodes(2), LeaveNodes(3)]
+    limited = DrainPolicy(1, "RayStrategy max_drains")
+    assert limited.decide() == LeaveNodes(1)
+    assert limited.decide() == StopRun(2, 1)
+    assert limited.describe_limit() == "RayStrategy max_drains=1"
+    assert unlimited.describe_limit() == "failure_config max_drains=unlimited"
 
 
 # ------------------------------------------------------- the trainer's limit
-def test_a_drain_past_max_preemptions_checkpoints_then_stops_the_trainer(monkeypatch):
+def test_a_drain_past_max_drains_checkpoints_then_stops_the_trainer(monkeypatch):
     from polytrain import TorchTrainer
-    from polytrain.errors import PreemptedError, TrainerShutdownError
-    from polytrain.trainer_api.policies.drain import DrainDecision, DrainingNode
+    from polytrain.errors import DrainLimitError, PreemptedError, TrainerShutdownError
+    from polytrain.runs.watch.drains import DrainEvent, DrainingNode
     from tests.helpers import DIGITS
 
     trainer = TorchTrainer(
         **DIGITS,
         config={"batch_size": 32},
         num_workers=0,
-        failure_config={"max_retries": 0, "max_preemptions": 0},
+        failure_config={"max_retries": 0, "max_drains": 0},
     )
-    assert not trainer.drain_watch.enabled  # local mode: no cluster to watch
+    assert not trainer.loop.drain_watch.enabled  # local mode: no cluster to watch
     trainer.train(num_steps=3)
     written = []
     monkeypatch.setattr(trainer, "_checkpoint_for_drain", lambda: written.append(1) or "/ck/x")
-    trainer._drain = DrainDecision((DrainingNode("n1", "10.0.0.9", (0,), None),))
-    with pytest.raises(PreemptedError) as info:
-        trainer._leave_draining_nodes()
+    trainer.loop.pending_drain = DrainEvent((DrainingNode("n1", "10.0.0.9", (0,), None),))
+    with pytest.raises(DrainLimitError) as info:
+        trainer._leave_drained_nodes()
+    assert isinstance(info.value, PreemptedError)  # the former name still catches it
     assert written == [1] and info.value.checkpoint_path == "/ck/x"
     message = str(info.value)
     assert message.startswith("Node n1 (10.0.0.9) is draining (preemption, no deadline)")
-    assert "preemption 1, more than failure_config max_preemptions=0" in message
+    assert "drain 1, more than failure_config max_drains=0" in message
     assert "Checkpoint /ck/x holds epoch 0, batch 3" in message
-    assert trainer.num_preemptions == 1 and trainer.num_restarts == 0
+    assert trainer.num_drains == 1 and trainer.num_restarts == 0
     with pytest.raises(TrainerShutdownError):
         trainer.train()

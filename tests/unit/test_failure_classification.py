@@ -7,7 +7,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from polytrain.errors import WorkerDiedError, WorkerError, WorkerHangError
 from polytrain.launchers.placement import classify_failure
 from polytrain.launchers.ranks import WorkerMetadata
-from polytrain.trainer_api.policies.failure import FailurePolicy
+from polytrain.runs.policies.failure import FailurePolicy
 
 METADATA = [
     WorkerMetadata("n0", "10.0.0.1", "h0", 100),

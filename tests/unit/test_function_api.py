@@ -213,8 +213,8 @@ def test_step_helpers_call_the_backends_strategy(backend, tmp_path):
 
 
 def test_launch_parses_the_script_and_its_own_arguments(tmp_path):
+    from polytrain.cli.launch_runner import exit_code, launch
     from polytrain.cli.main import build_parser
-    from polytrain.train.launch import exit_code, launch
 
     args = build_parser().parse_args(
         ["launch", "-n", "4", "--max-restarts", "2", "train.py", "--epochs", "3", "-n", "9"]

@@ -19,8 +19,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from polytrain.errors import ConfigError, ConfigTypeError, PreemptedError
+from polytrain.errors import ConfigError, ConfigTypeError, DrainLimitError, WorkerDiedError
 from polytrain.launchers.worker import WORKER_STATE
+from polytrain.runs.loop import RunLoop
+from polytrain.runs.policies.drain import DrainPolicy
+from polytrain.runs.policies.failure import FailurePolicy
+from polytrain.runs.watch.drains import DrainEvent, DrainingNode
 from polytrain.train import (
     Checkpoint,
     CheckpointConfig,
@@ -37,9 +41,6 @@ from polytrain.train import session as train_session
 from polytrain.train.board import ReportBoard
 from polytrain.train.preemption import LoopStopped
 from polytrain.train.trainer import _LoopRunner
-from polytrain.trainer_api.policies.drain import DrainDecision, DrainingNode
-from polytrain.trainer_api.policies.failure import FailurePolicy
-from polytrain.trainer_api.trainer import BaseTrainer
 
 NOW_S = 1_700_000_000.0
 NODE_A = DrainingNode("a" * 56, "10.0.0.7", (2, 3), int((NOW_S + 87) * 1000))
@@ -58,7 +59,7 @@ def test_outside_a_loop_get_preemption_info_says_where_to_call_it():
 
 # ------------------------------------------------------------------ the info object
 def test_the_info_names_the_node_its_ip_the_reason_the_deadline_and_the_ranks():
-    info = PreemptionInfo.from_decision(DrainDecision((NODE_A,)))
+    info = PreemptionInfo.from_event(DrainEvent((NODE_A,)))
     assert (info.node_id, info.node_ip, info.reason) == (NODE_A.node_id, "10.0.0.7", "preemption")
     assert info.ranks == (2, 3) and info.deadline_ms == NODE_A.deadline_ms
     assert info.deadline == datetime.datetime.fromtimestamp(NOW_S + 87, tz=datetime.timezone.utc)
@@ -77,8 +78,8 @@ def test_the_info_names_the_node_its_ip_the_reason_the_deadline_and_the_ranks():
 
 
 def test_several_draining_nodes_earliest_deadline_first_ranks_of_all():
-    first = PreemptionInfo.from_decision(DrainDecision((NODE_A,)))
-    both = PreemptionInfo.from_decision(DrainDecision((NODE_B, NO_DEADLINE)), previous=first)
+    first = PreemptionInfo.from_event(DrainEvent((NODE_A,)))
+    both = PreemptionInfo.from_event(DrainEvent((NODE_B, NO_DEADLINE)), previous=first)
     assert both.node_id == NODE_B.node_id and both.node_ip == "10.0.0.8"  # deadline in 30 s
     assert both.deadline_ms == NODE_B.deadline_ms
     assert [n.node_id for n in both.nodes] == [NODE_B.node_id, NODE_A.node_id, NO_DEADLINE.node_id]
@@ -103,10 +104,10 @@ def test_the_info_refuses_an_unknown_reason_and_no_node():
         PreemptionInfo.from_nodes([])
 
 
-def test_max_preemption_failures_maps_onto_the_creator_apis_max_preemptions():
-    assert FailureConfig().to_polytrain().max_preemptions is None  # -1: no limit
-    assert FailureConfig(max_preemption_failures=2).to_polytrain().max_preemptions == 2
-    assert FailureConfig(max_preemption_failures=0).to_polytrain().max_preemptions == 0
+def test_max_preemption_failures_maps_onto_the_creator_apis_max_drains():
+    assert FailureConfig().to_polytrain().max_drains is None  # -1: no limit
+    assert FailureConfig(max_preemption_failures=2).to_polytrain().max_drains == 2
+    assert FailureConfig(max_preemption_failures=0).to_polytrain().max_drains == 0
     assert RunConfig(failure_config={"max_preemption_failures": 1}).failure_config == (
         FailureConfig(max_preemption_failures=1)
     )
@@ -266,7 +267,7 @@ def test_a_loop_that_swallows_the_stop_still_ends_there(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------ the driver's decisions
 class _Runner(_LoopRunner):
-    """The driver's drain handling without a worker group: the group's calls are recorded."""
+    """The driver's drain handling on a real run loop without a worker group: calls are recorded."""
 
     def __init__(self, max_failures: int = 0, max_preemption_failures: int = -1) -> None:
         failure = FailureConfig(
@@ -276,29 +277,34 @@ class _Runner(_LoopRunner):
         self.owner = SimpleNamespace(
             _board_call=self._board_call,
             run_config=SimpleNamespace(failure_config=failure),
+            attempt_args=lambda: (0, None),
         )
         self.failure = failure.to_polytrain()
-        self.failure_policy = FailurePolicy(self.failure.max_retries)
         self._announced = None
-        self._preemptions = 0
-        self._group_size = 1
-        self.drain_watch = SimpleNamespace(poll=lambda force=False: self.decisions.pop(0))
-        self.decisions: list[DrainDecision | None] = []
+        self.loop = RunLoop(
+            self,
+            SimpleNamespace(),
+            SimpleNamespace(num_workers=1, local_mode=False),
+            failure_policy=FailurePolicy(
+                self.failure.max_retries, option="FailureConfig max_failures"
+            ),
+            drain_policy=DrainPolicy(
+                self.failure.max_drains, "FailureConfig max_preemption_failures"
+            ),
+            watch_drains=False,
+        )
 
     def _board_call(self, method, *args):
         self.calls.append((method, *args))
         return {"announce_preemption": 7, "latest_checkpoint": "/runs/r/checkpoint_000008"}[method]
 
-    def _teardown_group(self, force: bool = False) -> None:
-        self.calls.append(("teardown", force))
-
 
 def test_the_driver_tells_the_loop_once_per_drain_through_the_board(caplog):
     runner = _Runner()
-    runner.decisions = [DrainDecision((NODE_A,)), None]
+    event = DrainEvent((NODE_A,))
     with caplog.at_level(logging.WARNING, logger="polytrain.train.trainer"):
-        runner._poll_drains()
-        runner._poll_drains()  # nothing new: nothing posted
+        runner.on_drain(event, new=True)
+        runner.on_drain(event, new=False)  # still pending: nothing posted again
     info = PreemptionInfo.from_nodes([NODE_A])
     assert runner._announced == info
     assert [c for c in runner.calls if c[0] == "announce_preemption"] == [
@@ -310,30 +316,47 @@ def test_the_driver_tells_the_loop_once_per_drain_through_the_board(caplog):
     assert "latest checkpoint (/runs/r/checkpoint_000008)" in line
 
 
-def test_a_stop_past_max_preemption_failures_ends_the_run_with_the_checkpoint(caplog):
+def test_a_stop_past_max_preemption_failures_ends_the_run_with_the_checkpoint(caplog, monkeypatch):
     runner = _Runner(max_preemption_failures=0)
     runner._announced = PreemptionInfo.from_nodes([NODE_A])
-    with pytest.raises(PreemptedError, match="max_preemption_failures=0") as raised:
-        runner._move_off(LoopStopped(8))
+    runner.loop.pending_drain = DrainEvent((NODE_A,))
+    monkeypatch.setattr(runner.loop, "call", lambda *a, **k: [LoopStopped(8), LoopStopped(8)])
+    with caplog.at_level(logging.WARNING, logger="polytrain.runs.loop"):
+        with pytest.raises(DrainLimitError, match="max_preemption_failures=0") as raised:
+            runner.run()
     assert raised.value.checkpoint_path == "/runs/r/checkpoint_000008"
-    assert ("teardown", True) in runner.calls and runner.num_preemptions == 1
+    assert runner.loop.closed and runner.loop.num_drains == 1
+    assert "get_checkpoint()" in str(raised.value)
     assert caplog.messages[0].startswith(
-        f"Preemption 1 (failure_config max_preemption_failures=0) of node {NODE_A.node_id}: "
-        f"every rank stopped at the loop's checkpoint /runs/r/checkpoint_000008 (report 8, "
+        f"Drain 1 (FailureConfig max_preemption_failures=0) of node {NODE_A.node_id}: "
+        f"checkpoint /runs/r/checkpoint_000008 holds report 8 ("
     )
 
 
 def test_a_restart_after_a_drain_the_loop_did_not_checkpoint_for_says_so(caplog, monkeypatch):
     runner = _Runner(max_failures=2)
     runner._announced = PreemptionInfo.from_nodes([NODE_A])
-    runner.failure_policy.num_restarts = 1
-    restarted: list[int | None] = []
-    monkeypatch.setattr(BaseTrainer, "_restart", lambda self, n=None: restarted.append(n))
-    with caplog.at_level(logging.WARNING, logger="polytrain.train.trainer"):
-        runner._restart()
-    assert restarted == [None] and runner._announced is None
-    (line,) = caplog.messages
-    assert line.startswith(f"Node {NODE_A.node_id} (10.0.0.7) is draining")
-    assert "the loop reported no checkpoint after it was told" in line
-    assert "restarting from the latest checkpoint /runs/r/checkpoint_000008" in line
-    assert "(restart 1, failure_config max_failures=2)" in line
+    runner.loop.pending_drain = DrainEvent((NODE_A,))
+    outcomes = [WorkerDiedError("Worker rank 2 died: node gone", rank=2), ["done"]]
+
+    def call_once(*args, **kwargs):
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    restarted: list[str] = []
+    monkeypatch.setattr(runner.loop, "call_once", call_once)
+    monkeypatch.setattr(runner.loop, "restart", lambda n=None: restarted.append("restart"))
+    with caplog.at_level(logging.WARNING):
+        assert runner.loop.call(lambda: None) == ["done"]
+    assert restarted == ["restart"] and runner.loop.pending_drain is None
+    assert runner.loop.num_restarts == 1
+    drained, restart = caplog.messages
+    assert drained.startswith(f"Node {NODE_A.node_id} (10.0.0.7) is draining")
+    assert "the group lost a worker before it stopped there (the node is gone)" in drained
+    assert "(FailureConfig max_failures=2)" in drained
+    assert restart == (
+        "Worker rank 2 died (node gone); restart 1 of 2 (FailureConfig max_failures) from "
+        "/runs/r/checkpoint_000008."
+    )

@@ -10,6 +10,7 @@ importing any framework. The floors, bottom to top::
     launchers                 Ray / local worker groups: know no backend and no trainer
     backends                  core/ (the contracts) and one folder per backend, which
                               imports no other backend's folder
+    runs                      the one run loop: groups, calls, watches, policies (no front end)
     trainer_api               the trainers and what they run on the workers
     lightning, tune, train    integrations built on the trainers and backends (train: the
                               function API, Ray Train's ``ray.train``)
@@ -136,6 +137,7 @@ def _is_face(module: str) -> bool:
 LAYER_RULES = {
     "polytrain.checkpoint": (
         "polytrain.launchers",
+        "polytrain.runs",
         "polytrain.backends",
         "polytrain.trainer_api",
         "polytrain.lightning",
@@ -145,8 +147,17 @@ LAYER_RULES = {
         "polytrain.compare",
     ),
     "polytrain.launchers": (
+        "polytrain.runs",
         "polytrain.trainer_api",
         "polytrain.backends",
+        "polytrain.lightning",
+        "polytrain.tune",
+        "polytrain.train",
+        CLI,
+        "polytrain.compare",
+    ),
+    "polytrain.runs": (
+        "polytrain.trainer_api",
         "polytrain.lightning",
         "polytrain.tune",
         "polytrain.train",
@@ -161,6 +172,7 @@ LAYER_RULES = {
         "polytrain.compare.runner",
     ),
     "polytrain.backends": (
+        "polytrain.runs",
         "polytrain.trainer_api",
         "polytrain.lightning",
         "polytrain.tune",

@@ -30,10 +30,10 @@ from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
 from polytrain.errors import ConfigError, ConfigTypeError, PreemptedError  # noqa: E402
 from polytrain.launchers.worker import STOP_HANDLER, WORKER_STATE, Worker  # noqa: E402
-from polytrain.lightning import RayDeepSpeedStrategy, RayStrategy, drains  # noqa: E402
-from polytrain.lightning import launcher as launcher_module  # noqa: E402
+from polytrain.lightning import RayDeepSpeedStrategy, RayStrategy, drain_stop, resumable_loaders  # noqa: E402
 from polytrain.lightning.restarts import CheckpointFinder  # noqa: E402
-from polytrain.trainer_api.policies.drain import DrainWatch  # noqa: E402
+from polytrain.runs.watch.drains import DrainWatch  # noqa: E402
+from tests.unit.lightning_loop_fakes import fake_attempts  # noqa: E402
 
 
 # ------------------------------------------------------------------ resumable loaders
@@ -66,35 +66,35 @@ def test_a_resumable_loader_counts_its_batches_and_skips_a_restored_position_onc
     num_workers, persistent
 ):
     expected = _values(_loader())
-    loader = drains.make_resumable(_loader(num_workers, persistent))
+    loader = resumable_loaders.make_resumable(_loader(num_workers, persistent))
     assert isinstance(loader, DataLoader) and type(loader).__name__ == "DataLoader"
-    assert drains.is_resumable(loader) and len(loader) == len(expected) == 5
+    assert resumable_loaders.is_resumable(loader) and len(loader) == len(expected) == 5
     iterator = iter(loader)
     assert _values([next(iterator), next(iterator)]) == expected[:2]
-    assert drains.loader_position(loader) == 2
+    assert resumable_loaders.loader_position(loader) == 2
     # A resumed fit: the next iteration starts after the 2 batches trained.
-    drains.resume_at(loader, 2, epoch=1)
+    resumable_loaders.resume_at(loader, 2, epoch=1)
     assert _values(loader) == expected[2:]
-    assert drains.loader_position(loader) == 5
+    assert resumable_loaders.loader_position(loader) == 5
     # Once: the iteration after it is a whole epoch again.
     assert _values(loader) == expected
 
 
 def test_a_resumable_loader_that_is_not_resumed_iterates_as_before():
     plain = _loader()
-    loader = drains.make_resumable(_loader())
+    loader = resumable_loaders.make_resumable(_loader())
     assert _values(loader) == _values(plain)
     assert loader.batch_size == plain.batch_size and loader.sampler.epoch == 1
     # Copies are of the user's class again (the resumable class is made at run time).
     for copied in (pickle.loads(pickle.dumps(loader)), copy.deepcopy(loader)):
         assert type(copied) is DataLoader and _values(copied) == _values(plain)
-    assert drains.make_resumable(loader) is loader  # idempotent
+    assert resumable_loaders.make_resumable(loader) is loader  # idempotent
 
 
 def test_resume_at_sets_the_epoch_before_the_iterator_exists():
     # Loader workers draw their indices when the iterator is made: the epoch must be right then.
-    loader = drains.make_resumable(_loader(epoch=0))
-    drains.resume_at(loader, 1, epoch=3)
+    loader = resumable_loaders.make_resumable(_loader(epoch=0))
+    resumable_loaders.resume_at(loader, 1, epoch=3)
     assert loader.sampler.epoch == 3
     assert _values(loader) == _values(_loader(epoch=3))[1:]
 
@@ -110,10 +110,10 @@ class _Numbers(IterableDataset):
 
 
 def test_loaders_that_cannot_keep_a_position_are_named():
-    assert drains.why_not_resumable(_loader()) is None
-    assert "not a torch DataLoader" in drains.why_not_resumable([1, 2])
-    assert "IterableDataset" in drains.why_not_resumable(DataLoader(_Numbers()))
-    assert "iterates its own way" in drains.why_not_resumable(_OwnIteration(_dataset()))
+    assert resumable_loaders.why_not_resumable(_loader()) is None
+    assert "not a torch DataLoader" in resumable_loaders.why_not_resumable([1, 2])
+    assert "IterableDataset" in resumable_loaders.why_not_resumable(DataLoader(_Numbers()))
+    assert "iterates its own way" in resumable_loaders.why_not_resumable(_OwnIteration(_dataset()))
 
 
 class _StatefulLoader(DataLoader):
@@ -138,24 +138,28 @@ def _fit_state(ready: int, total: int, flattened: list, epoch: int = 1) -> Any:
 
 
 def test_positions_round_trip_through_a_checkpoint_and_only_mid_epoch():
-    saving = drains.ResumableLoaders(world_size=2)
+    saving = resumable_loaders.ResumableLoaders(world_size=2)
     loader = saving.track(_loader())
     stateful = _StatefulLoader(_dataset(), batch_size=4)
-    assert saving.track(stateful) is stateful and not drains.is_resumable(stateful)  # Lightning's
+    assert saving.track(stateful) is stateful and not resumable_loaders.is_resumable(
+        stateful
+    )  # Lightning's
     iterator = iter(loader)
     next(iterator), next(iterator), next(iterator)
     checkpoint: dict = {}
     saving.on_save_checkpoint(_fit_state(3, 5, [loader, stateful]), None, checkpoint)
-    assert checkpoint[drains.POSITIONS_KEY] == {
+    assert checkpoint[resumable_loaders.POSITIONS_KEY] == {
         "world_size": 2,
         "epoch": 1,
         "loaders": [{"batches": 3, "length": 5}, None],
     }
     at_the_end: dict = {}
     saving.on_save_checkpoint(_fit_state(5, 5, [loader]), None, at_the_end)
-    assert drains.POSITIONS_KEY not in at_the_end  # the next epoch starts from its first batch
+    assert (
+        resumable_loaders.POSITIONS_KEY not in at_the_end
+    )  # the next epoch starts from its first batch
 
-    resumed = drains.ResumableLoaders(world_size=2)
+    resumed = resumable_loaders.ResumableLoaders(world_size=2)
     resumed.on_load_checkpoint(None, None, checkpoint)
     fresh = resumed.track(_loader(epoch=0))
     assert resumed.track(_StatefulLoader(_dataset(), batch_size=4)) is not None
@@ -165,21 +169,21 @@ def test_positions_round_trip_through_a_checkpoint_and_only_mid_epoch():
 
 def test_a_position_of_another_world_size_or_length_is_not_applied(caplog):
     checkpoint = {
-        drains.POSITIONS_KEY: {
+        resumable_loaders.POSITIONS_KEY: {
             "world_size": 4,
             "epoch": 0,
             "loaders": [{"batches": 2, "length": 5}],
         }
     }
-    other = drains.ResumableLoaders(world_size=2)
+    other = resumable_loaders.ResumableLoaders(world_size=2)
     with caplog.at_level(logging.WARNING, logger="polytrain.lightning"):
         other.on_load_checkpoint(None, None, checkpoint)
     assert "saved by 4 workers, this fit has 2" in caplog.text
     assert _values(other.track(_loader())) == _values(_loader())
 
-    checkpoint[drains.POSITIONS_KEY]["world_size"] = 2
-    checkpoint[drains.POSITIONS_KEY]["loaders"][0]["length"] = 9
-    shorter = drains.ResumableLoaders(world_size=2)
+    checkpoint[resumable_loaders.POSITIONS_KEY]["world_size"] = 2
+    checkpoint[resumable_loaders.POSITIONS_KEY]["loaders"][0]["length"] = 9
+    shorter = resumable_loaders.ResumableLoaders(world_size=2)
     shorter.on_load_checkpoint(None, None, checkpoint)
     with caplog.at_level(logging.WARNING, logger="polytrain.lightning"):
         assert _values(shorter.track(_loader())) == _values(_loader())
@@ -190,17 +194,17 @@ def test_the_strategy_tracks_train_loaders_of_a_fit_only():
     strategy = RayStrategy(num_workers=2)
     loader = _loader()
     assert strategy.process_dataloader(loader) is loader  # the driver: nothing
-    strategy._loader_positions = drains.ResumableLoaders(2)
+    strategy._loader_positions = resumable_loaders.ResumableLoaders(2)
     trainer = types.SimpleNamespace(state=types.SimpleNamespace(stage=RunningStage.VALIDATING))
     strategy._lightning_module = types.SimpleNamespace(_trainer=trainer)
-    assert not drains.is_resumable(strategy.process_dataloader(loader))
+    assert not resumable_loaders.is_resumable(strategy.process_dataloader(loader))
     trainer.state.stage = RunningStage.TRAINING
-    assert drains.is_resumable(strategy.process_dataloader(loader))
+    assert resumable_loaders.is_resumable(strategy.process_dataloader(loader))
 
 
 # ------------------------------------------------------------------ the notice and the stop
 def test_rank_zero_takes_the_notice_from_the_monitor_channel():
-    notice = drains.DrainNotice()
+    notice = drain_stop.DrainNotice()
     WORKER_STATE[STOP_HANDLER] = notice
     try:
         worker = Worker.__new__(Worker)  # the actor's method, without an actor
@@ -210,28 +214,28 @@ def test_rank_zero_takes_the_notice_from_the_monitor_channel():
         assert notice.requested
     finally:
         WORKER_STATE.pop(STOP_HANDLER, None)
-    refused = drains.DrainNotice(refusal="no broadcast")
+    refused = drain_stop.DrainNotice(refusal="no broadcast")
     assert refused({"drain": True}) == {"ok": False, "why": "no broadcast"}
     assert not refused.requested
 
 
 def test_the_drivers_reading_of_the_answer():
-    assert drains.notice_reply(None) == (False, None)  # no handler yet: send again
-    assert drains.notice_reply({"ok": True}) == (True, None)
-    assert drains.notice_reply({"ok": False, "why": "w"}) == (True, "w")
+    assert drain_stop.notice_reply(None) == (False, None)  # no handler yet: send again
+    assert drain_stop.notice_reply({"ok": True}) == (True, None)
+    assert drain_stop.notice_reply({"ok": False, "why": "w"}) == (True, "w")
 
 
 def test_sigterm_wins_and_a_drain_is_told_apart():
-    assert drains.stop_code(False, False) == drains.GO_ON
-    assert drains.stop_code(True, False) == drains.DRAIN
-    assert drains.stop_code(True, True) == drains.SIGTERM
-    drains.raise_for(drains.GO_ON)
-    with pytest.raises(drains.DrainStop):
-        drains.raise_for(drains.DRAIN)
+    assert drain_stop.stop_code(False, False) == drain_stop.GO_ON
+    assert drain_stop.stop_code(True, False) == drain_stop.DRAIN
+    assert drain_stop.stop_code(True, True) == drain_stop.SIGTERM
+    drain_stop.raise_for(drain_stop.GO_ON)
+    with pytest.raises(drain_stop.DrainStop):
+        drain_stop.raise_for(drain_stop.DRAIN)
     with pytest.raises(SIGTERMException) as info:
-        drains.raise_for(drains.SIGTERM)
-    assert not isinstance(info.value, drains.DrainStop)
-    assert issubclass(drains.DrainStop, SystemExit)  # `except Exception` lets it through
+        drain_stop.raise_for(drain_stop.SIGTERM)
+    assert not isinstance(info.value, drain_stop.DrainStop)
+    assert issubclass(drain_stop.DrainStop, SystemExit)  # `except Exception` lets it through
 
 
 class _EpochLoop:
@@ -269,43 +273,43 @@ def _fake_collectives(monkeypatch, root_value: int | None) -> list[str]:
 
 
 def test_several_workers_stop_together_through_lightnings_one_broadcast(monkeypatch):
-    loop, notice = _EpochLoop(), drains.DrainNotice()
-    assert drains.install_stop(loop.trainer, notice, world_size=2) is None
-    calls = _fake_collectives(monkeypatch, drains.GO_ON)
+    loop, notice = _EpochLoop(), drain_stop.DrainNotice()
+    assert drain_stop.install_stop(loop.trainer, notice, world_size=2) is None
+    calls = _fake_collectives(monkeypatch, drain_stop.GO_ON)
     loop._broadcast_sigterm_tensor()  # nothing asked: go on
     assert calls == ["broadcast"]
     # Rank 1 learns rank 0's decision from the same broadcast: a drain, told apart.
-    calls = _fake_collectives(monkeypatch, drains.DRAIN)
-    with pytest.raises(drains.DrainStop):
+    calls = _fake_collectives(monkeypatch, drain_stop.DRAIN)
+    with pytest.raises(drain_stop.DrainStop):
         loop._broadcast_sigterm_tensor()
     assert calls == ["broadcast", "barrier"]
-    _fake_collectives(monkeypatch, drains.SIGTERM)
+    _fake_collectives(monkeypatch, drain_stop.SIGTERM)
     with pytest.raises(SIGTERMException) as info:
         loop._broadcast_sigterm_tensor()
-    assert not isinstance(info.value, drains.DrainStop)
+    assert not isinstance(info.value, drain_stop.DrainStop)
     _fake_collectives(monkeypatch, None)
     loop._broadcast_sigterm_tensor()  # as Lightning: a failed broadcast stops nobody
 
 
 def test_rank_zero_sends_what_it_was_told(monkeypatch):
-    loop, notice = _EpochLoop(), drains.DrainNotice()
-    drains.install_stop(loop.trainer, notice, world_size=2)
+    loop, notice = _EpochLoop(), drain_stop.DrainNotice()
+    drain_stop.install_stop(loop.trainer, notice, world_size=2)
     sent: list[int] = []
     monkeypatch.setattr(torch.distributed, "broadcast", lambda t, src: sent.append(int(t.item())))
     monkeypatch.setattr(torch.distributed, "barrier", lambda: None)
     loop._broadcast_sigterm_tensor()
     notice.request()
-    with pytest.raises(drains.DrainStop):
+    with pytest.raises(drain_stop.DrainStop):
         loop._broadcast_sigterm_tensor()
-    assert sent == [drains.GO_ON, drains.DRAIN]
+    assert sent == [drain_stop.GO_ON, drain_stop.DRAIN]
 
 
 def test_a_single_worker_stops_at_the_start_of_the_next_batch():
-    loop, notice = _EpochLoop(), drains.DrainNotice()
-    assert drains.install_stop(loop.trainer, notice, world_size=1) is None
+    loop, notice = _EpochLoop(), drain_stop.DrainNotice()
+    assert drain_stop.install_stop(loop.trainer, notice, world_size=1) is None
     loop.advance(None)
     notice.request()
-    with pytest.raises(drains.DrainStop):
+    with pytest.raises(drain_stop.DrainStop):
         loop.advance(None)
     assert loop.advanced == 1
 
@@ -313,16 +317,16 @@ def test_a_single_worker_stops_at_the_start_of_the_next_batch():
 def test_without_lightnings_broadcast_the_notice_is_refused():
     loop = _EpochLoop()
     loop._broadcast_sigterm_tensor = None
-    why = drains.install_stop(loop.trainer, drains.DrainNotice(), world_size=2)
+    why = drain_stop.install_stop(loop.trainer, drain_stop.DrainNotice(), world_size=2)
     assert "no per-batch stop broadcast" in why
 
 
 def test_the_drain_checkpoint_appears_complete_or_not_at_all(tmp_path):
-    path = drains.drain_checkpoint_path(str(tmp_path), "abc", 1)
+    path = drain_stop.drain_checkpoint_path(str(tmp_path), "abc", 1)
     assert path == str(tmp_path / "drain_checkpoints" / "drain-abc-1.ckpt")
     finder = CheckpointFinder.for_trainer(
         types.SimpleNamespace(checkpoint_callbacks=[], loggers=[], default_root_dir=str(tmp_path)),
-        extra=[drains.drain_directory(str(tmp_path))],
+        extra=[drain_stop.drain_directory(str(tmp_path))],
     )
     seen: list[Any] = []
 
@@ -332,22 +336,32 @@ def test_the_drain_checkpoint_appears_complete_or_not_at_all(tmp_path):
             torch.save({"global_step": 3}, filepath)
             seen.append(finder.newest())  # while written: not a candidate
 
-    drains.save_drain_checkpoint(_Trainer(), path, is_rank_zero=True)
+    drain_stop.save_drain_checkpoint(_Trainer(), path, is_rank_zero=True)
     assert seen == [None]
     assert finder.newest() == path and not os.path.exists(path + ".part")
-    drains.remove_checkpoint(path)
+    drain_stop.remove_checkpoint(path)
     assert not os.path.exists(os.path.dirname(path))  # the empty directory goes too
 
 
 # ------------------------------------------------------------------ max_preemptions
-def test_max_preemptions_is_unlimited_by_default_and_checked():
+def test_max_drains_is_unlimited_by_default_and_checked():
     strategy = RayStrategy()
-    assert strategy.max_preemptions is None and strategy.num_preemptions == 0
-    assert RayDeepSpeedStrategy(max_preemptions=2).max_preemptions == 2
-    with pytest.raises(ConfigError, match=r"got -1\. Pass max_preemptions=0"):
-        RayStrategy(max_preemptions=-1)
+    assert strategy.max_drains is None and strategy.num_drains == 0
+    assert RayDeepSpeedStrategy(max_drains=2).max_drains == 2
+    with pytest.raises(ConfigError, match=r"got -1\. Pass max_drains=0"):
+        RayStrategy(max_drains=-1)
     with pytest.raises(ConfigTypeError, match="got bool: True"):
-        RayStrategy(max_preemptions=True)
+        RayStrategy(max_drains=True)
+
+
+def test_max_preemptions_is_the_former_name_of_max_drains():
+    with pytest.warns(DeprecationWarning, match="max_preemptions=...\\) is now max_drains"):
+        strategy = RayStrategy(max_preemptions=2)
+    assert strategy.max_drains == 2 and strategy.drain_policy.max_drains == 2
+    with pytest.warns(DeprecationWarning):
+        assert strategy.num_preemptions == 0
+    with pytest.raises(ConfigError, match="set max_drains only"):
+        RayStrategy(max_drains=1, max_preemptions=2)
 
 
 # ------------------------------------------------------------------ the driver's poll
@@ -370,13 +384,6 @@ class _Group:
         return True, self.answers[ref - 1]
 
 
-def _launcher_with_watch(tmp_path, draining: dict) -> launcher_module.RayLauncher:
-    launcher = launcher_module.RayLauncher(RayStrategy(num_workers=2))
-    launcher._drain_watch = DrainWatch(draining=lambda: draining, interval_s=0.0)
-    launcher._drain_path = str(tmp_path / "drain-x-1.ckpt")
-    return launcher
-
-
 def _fit_impl(model, train_dataloaders=None, val_dataloaders=None, datamodule=None,
               ckpt_path=None, weights_only=None):  # fmt: skip
     """Stands in for Trainer._fit_impl (the launcher recognises the fit by this name)."""
@@ -386,22 +393,42 @@ def _validate_impl(model=None, dataloaders=None, ckpt_path=None):
     """Stands in for Trainer._validate_impl."""
 
 
+def _watched_call(tmp_path, draining: dict, group: _Group, function=_fit_impl):
+    """A launcher call on a run loop whose group is ``group`` and whose drain watch reads ``draining``."""
+    from polytrain.lightning.launcher import _EntryCall
+    from polytrain.runs.loop import RunLoop
+
+    trainer = _trainer(tmp_path)
+    call = _EntryCall(trainer.strategy, trainer, function, (), {})
+    loop = RunLoop(
+        call,
+        trainer.strategy.backend,
+        trainer.strategy.scaling,
+        failure_policy=trainer.strategy.failure_policy,
+    )
+    loop.drain_watch = DrainWatch(draining=lambda: draining, interval_s=0.0)
+    loop.drain_watch.watch(group.metadata)
+    loop.group, call.loop = group, loop
+    if function is _fit_impl:
+        call.drain_path = str(tmp_path / "drain-x-1.ckpt")
+    return call, loop
+
+
 def test_a_drain_of_the_groups_node_tells_rank_zero_until_its_fit_answers(tmp_path, caplog):
     draining: dict = {}
-    launcher = _launcher_with_watch(tmp_path, draining)
     group = _Group(answers=[None, {"ok": True}])
-    launcher._watch(group)
-    launcher._poll_drains(group, _fit_impl)
-    assert group.sent == [] and launcher._drain is None
+    call, loop = _watched_call(tmp_path, draining, group)
+    loop.poll_drains()
+    assert group.sent == [] and loop.pending_drain is None
     draining["b"] = 0
     with caplog.at_level(logging.WARNING, logger="polytrain.lightning"):
-        launcher._poll_drains(group, _fit_impl)  # decides, sends the notice
-        launcher._poll_drains(group, _fit_impl)  # no handler yet: None
-        launcher._poll_drains(group, _fit_impl)  # sends again
-        launcher._poll_drains(group, _fit_impl)  # taken
-        launcher._poll_drains(group, _fit_impl)  # nothing more to do
+        loop.poll_drains()  # sees it, sends the notice
+        loop.poll_drains()  # no handler yet: None
+        loop.poll_drains()  # sends again
+        loop.poll_drains()  # taken
+        loop.poll_drains()  # nothing more to do
     assert group.sent == [(0, "stop_request", {"drain": True})] * 2
-    assert launcher._notice_done and launcher._drain.node_ids == ("b",)
+    assert call._notice_done and loop.pending_drain.node_ids == ("b",)
     assert (
         "Node b (10.0.0.2) is draining (preemption, no deadline): the workers (rank 1) finish "
         "their current batch, checkpoint there and the fit continues off the node."
@@ -409,25 +436,24 @@ def test_a_drain_of_the_groups_node_tells_rank_zero_until_its_fit_answers(tmp_pa
 
 
 def test_a_refused_notice_leaves_the_node_to_the_restart_path(tmp_path, caplog):
-    launcher = _launcher_with_watch(tmp_path, {"a": 0, "b": 0})
     group = _Group(answers=[{"ok": False, "why": "no broadcast"}])
-    launcher._watch(group)
+    _call, loop = _watched_call(tmp_path, {"a": 0, "b": 0}, group)
     with caplog.at_level(logging.WARNING, logger="polytrain.lightning"):
         for _ in range(3):
-            launcher._poll_drains(group, _fit_impl)
+            loop.poll_drains()
     assert len(group.sent) == 1
     assert "the workers (ranks 0, 1) finish their current batch" in caplog.text
     assert "Rank 0 cannot stop this fit at a batch (no broadcast)" in caplog.text
 
 
 def test_another_call_is_left_at_once_to_run_again(tmp_path, caplog):
-    launcher = _launcher_with_watch(tmp_path, {"b": 0})
-    launcher._drain_path = None  # not a fit
+    from polytrain.runs.workload import CallStoppedForDrain
+
     group = _Group(answers=[])
-    launcher._watch(group)
+    _call, loop = _watched_call(tmp_path, {"b": 0}, group, function=_validate_impl)
     with caplog.at_level(logging.WARNING, logger="polytrain.lightning"):
-        with pytest.raises(launcher_module._RunAgainOffNode):
-            launcher._poll_drains(group, _validate_impl)
+        with pytest.raises(CallStoppedForDrain):
+            loop.poll_drains()
     assert group.sent == []
     assert "stop the running validate call, which runs again off the node" in caplog.text
 
@@ -442,44 +468,32 @@ def _trainer(tmp_path, **strategy_options) -> pl.Trainer:
     )
 
 
-def _fake_launches(monkeypatch, launcher, attempts: list) -> list:
-    """Each group's run is the next of ``attempts``: a function returning outputs or an error."""
-    calls = []
-
-    def launch_once(self, trainer, function, args, kwargs, tune_queue):
-        calls.append((args, kwargs, self._drain_path))
-        outcome = attempts[len(calls) - 1](self)
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
-
-    monkeypatch.setattr(launcher_module.RayLauncher, "_launch_once", launch_once)
-    monkeypatch.setattr(launcher_module, "_recover_results_in_main_process", lambda *a: None)
-    return calls
+def _drain_of_node_b(loop) -> None:
+    watch = DrainWatch(draining=lambda: {"b": 0})
+    watch.watch([types.SimpleNamespace(node_id="b", node_ip="10.0.0.2")] * 2)
+    loop.pending_drain = watch.poll()
 
 
-def _stopped(launcher) -> list:
+def _stopped(loop) -> list:
     """A fit that a drain of node b stopped at epoch 0, batch 7: its checkpoint written."""
-    path = launcher._drain_path
+    path = loop.workload.drain_path
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save({"global_step": 7}, path)
-    launcher._drain = DrainWatch(draining=lambda: {"b": 0})
-    launcher._drain.watch([types.SimpleNamespace(node_id="b", node_ip="10.0.0.2")] * 2)
-    launcher._drain = launcher._drain.poll()
-    return [drains.DrainStopped(path, 0, 7, 7), drains.DrainStopped(None, 0, 7, 7)]
+    _drain_of_node_b(loop)
+    return [drain_stop.DrainStopped(path, 0, 7, 7), drain_stop.DrainStopped(None, 0, 7, 7)]
 
 
-def test_a_stopped_fit_continues_from_its_drain_checkpoint_as_a_preemption(
+def test_a_stopped_fit_continues_from_its_drain_checkpoint_as_a_drain(
     tmp_path, monkeypatch, caplog
 ):
     trainer = _trainer(tmp_path, max_retries=0)
     launcher = trainer.strategy.launcher
     done = [types.SimpleNamespace(trainer_results="done")]
-    calls = _fake_launches(monkeypatch, launcher, [_stopped, lambda _: done])
-    with caplog.at_level(logging.WARNING, logger="polytrain.lightning"):
+    calls = fake_attempts(monkeypatch, [_stopped, lambda _: done])
+    with caplog.at_level(logging.WARNING):
         assert launcher.launch(_fit_impl, "model", trainer=trainer) == "done"
     strategy = trainer.strategy
-    assert strategy.num_preemptions == 1 and strategy.num_restarts == 0
+    assert strategy.num_drains == 1 and strategy.num_restarts == 0
     first_path, second_path = calls[0][2], calls[1][2]
     assert os.path.dirname(first_path) == str(tmp_path / "drain_checkpoints")
     assert calls[0][:2] == (("model",), {})
@@ -487,42 +501,44 @@ def test_a_stopped_fit_continues_from_its_drain_checkpoint_as_a_preemption(
     assert second_path != first_path  # a later drain writes a file of its own
     assert not os.path.exists(first_path)  # spent once the fit completed
     assert (
-        f"Preemption 1 (RayStrategy max_preemptions=unlimited) of node b: checkpoint "
+        f"Drain 1 (RayStrategy max_drains=unlimited) of node b: checkpoint "
         f"{first_path} holds epoch 0, batch 7 (global step 7) (no deadline)."
     ) in caplog.text
-    assert f"Continuing the fit from {first_path} on 2 worker(s) off the drained node(s)." in (
-        caplog.text
-    )
+    assert f"Continuing from {first_path} on 2 worker(s) off the drained node(s)." in (caplog.text)
 
 
-def test_past_max_preemptions_the_checkpoint_is_kept_and_named(tmp_path, monkeypatch):
-    trainer = _trainer(tmp_path, max_preemptions=0)
+def test_past_max_drains_the_checkpoint_is_kept_and_named(tmp_path, monkeypatch):
+    from polytrain.errors import DrainLimitError
+
+    trainer = _trainer(tmp_path, max_drains=0)
     launcher = trainer.strategy.launcher
-    _fake_launches(monkeypatch, launcher, [_stopped])
-    with pytest.raises(PreemptedError, match=r"more than RayStrategy\(max_preemptions=0\)") as info:
+    fake_attempts(monkeypatch, [_stopped])
+    with pytest.raises(DrainLimitError, match=r"more than RayStrategy max_drains=0") as info:
         launcher.launch(_fit_impl, "model", trainer=trainer)
     path = info.value.checkpoint_path
     assert path is not None and os.path.isfile(path)
     assert f"trainer.fit(model, ckpt_path={path!r})" in str(info.value)
-    assert trainer.strategy.num_preemptions == 1
+    assert isinstance(info.value, PreemptedError)  # the former name still catches it
+    assert trainer.strategy.num_drains == 1
 
 
 def test_a_validate_call_left_for_a_drain_runs_again(tmp_path, monkeypatch, caplog):
+    from polytrain.runs.workload import CallStoppedForDrain, DrainCheckpoint
+
     trainer = _trainer(tmp_path, max_retries=0)
     launcher = trainer.strategy.launcher
 
-    def left(self):
-        watch = DrainWatch(draining=lambda: {"b": 0})
-        watch.watch([types.SimpleNamespace(node_id="b", node_ip="10.0.0.2")])
-        self._drain = watch.poll()
-        return launcher_module._RunAgainOffNode(self._drain)
+    def left(loop):
+        _drain_of_node_b(loop)
+        where = DrainCheckpoint(None, "the validate call", "Run the validate call again")
+        return CallStoppedForDrain(loop.pending_drain, where)
 
     results = [types.SimpleNamespace(trainer_results=[{"acc": 1.0}])]
-    calls = _fake_launches(monkeypatch, launcher, [left, lambda _: results])
-    with caplog.at_level(logging.WARNING, logger="polytrain.lightning"):
+    calls = fake_attempts(monkeypatch, [left, lambda _: results])
+    with caplog.at_level(logging.WARNING):
         assert launcher.launch(_validate_impl, "m", trainer=trainer) == [{"acc": 1.0}]
     assert calls[0] == calls[1] == (("m",), {}, None)
-    assert trainer.strategy.num_preemptions == 1 and trainer.strategy.num_restarts == 0
+    assert trainer.strategy.num_drains == 1 and trainer.strategy.num_restarts == 0
     assert "of node b: the validate call stopped (no deadline)" in caplog.text
 
 
@@ -532,22 +548,21 @@ def test_a_node_lost_before_the_stop_is_a_lost_worker(tmp_path, monkeypatch, cap
     trainer = _trainer(tmp_path, max_retries=1)
     launcher = trainer.strategy.launcher
 
-    def lost(self):
-        watch = DrainWatch(draining=lambda: {"b": 0})
-        watch.watch([types.SimpleNamespace(node_id="b", node_ip="10.0.0.2")] * 2)
-        self._drain = watch.poll()
+    def lost(loop):
+        _drain_of_node_b(loop)
         return WorkerDiedError("Worker rank 1 (pid 7 on 10.0.0.2) died: node gone", rank=1)
 
     done = [types.SimpleNamespace(trainer_results="done")]
-    _fake_launches(monkeypatch, launcher, [lost, lambda _: done])
-    with caplog.at_level(logging.WARNING, logger="polytrain.lightning"):
+    fake_attempts(monkeypatch, [lost, lambda _: done])
+    with caplog.at_level(logging.WARNING):
         assert launcher.launch(_fit_impl, "model", trainer=trainer) == "done"
-    assert trainer.strategy.num_restarts == 1 and trainer.strategy.num_preemptions == 0
+    assert trainer.strategy.num_restarts == 1 and trainer.strategy.num_drains == 0
     assert (
         "Node b (10.0.0.2) is draining (preemption, no deadline), and the group lost a worker "
-        "before it stopped there (the node is gone): a lost worker, handled by max_retries."
+        "before it stopped there (the node is gone): a restart from the latest state, as after "
+        "any lost worker (RayStrategy max_retries=1)."
     ) in caplog.text
-    assert "restart 1 of 1 from" in caplog.text
+    assert "restart 1 of 1 (RayStrategy max_retries) from" in caplog.text
 
 
 # ------------------------------------------------------------------ a real fit, stopped and resumed
@@ -588,7 +603,7 @@ class _Regression(pl.LightningModule):
 class _Tracking(SingleDeviceStrategy):
     """One process, with the train loaders tracked as RayStrategy's workers track them."""
 
-    def __init__(self, positions: drains.ResumableLoaders) -> None:
+    def __init__(self, positions: resumable_loaders.ResumableLoaders) -> None:
         super().__init__(device=torch.device("cpu"))
         self.positions = positions
 
@@ -601,7 +616,7 @@ class _Tracking(SingleDeviceStrategy):
 class _AskAt(pl.Callback):
     """Plays the driver: asks for the stop once batch ``at`` of epoch 0 ran."""
 
-    def __init__(self, notice: drains.DrainNotice, at: int) -> None:
+    def __init__(self, notice: drain_stop.DrainNotice, at: int) -> None:
         self.notice, self.at = notice, at
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -610,7 +625,7 @@ class _AskAt(pl.Callback):
 
 
 def _trainer_in_process(root, validate_every: int | None, *callbacks) -> pl.Trainer:
-    positions = drains.ResumableLoaders(world_size=1)
+    positions = resumable_loaders.ResumableLoaders(world_size=1)
     validation = (
         {"val_check_interval": validate_every, "limit_val_batches": 1}
         if validate_every
@@ -641,22 +656,22 @@ def test_a_fit_stopped_at_a_batch_resumes_with_the_next_batch_and_equal_weights(
     assert reference_history == [(e, b) for e in range(EPOCHS) for b in range(BATCHES)]
 
     history: list = []
-    notice = drains.DrainNotice()
+    notice = drain_stop.DrainNotice()
     trainer = _trainer_in_process(tmp_path / "stopped", validate_every, _AskAt(notice, 2))
-    assert drains.install_stop(trainer, notice, world_size=1) is None
+    assert drain_stop.install_stop(trainer, notice, world_size=1) is None
     model = _Regression(history)
     # As the worker runs it: the entry point without Lightning's interrupt handling.
     trainer.state.fn = pl.trainer.states.TrainerFn.FITTING
     trainer.state.status = pl.trainer.states.TrainerStatus.RUNNING
     trainer.training = True
-    path = drains.drain_checkpoint_path(str(tmp_path), "t", 1)
-    with pytest.raises(drains.DrainStop):
+    path = drain_stop.drain_checkpoint_path(str(tmp_path), "t", 1)
+    with pytest.raises(drain_stop.DrainStop):
         trainer._fit_impl(model)
-    stopped = drains.stop_at_drain(trainer, path)
-    assert stopped == drains.DrainStopped(path, epoch=0, batch=3, global_step=3)
+    stopped = drain_stop.stop_at_drain(trainer, path)
+    assert stopped == drain_stop.DrainStopped(path, epoch=0, batch=3, global_step=3)
     assert history == [(0, b) for b in range(3)]
     saved = torch.load(path, weights_only=False)
-    assert saved[drains.POSITIONS_KEY]["loaders"] == [{"batches": 3, "length": BATCHES}]
+    assert saved[resumable_loaders.POSITIONS_KEY]["loaders"] == [{"batches": 3, "length": BATCHES}]
 
     resumed_trainer = _trainer_in_process(tmp_path / "resumed", validate_every)
     resumed = _Regression(history)
@@ -682,7 +697,7 @@ def test_a_mid_epoch_model_checkpoint_resumes_at_its_batch(tmp_path):
     mid_epoch = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"  # after batch 3 of 6
     assert mid_epoch.exists()
     saved = torch.load(mid_epoch, weights_only=False)
-    assert saved[drains.POSITIONS_KEY]["loaders"] == [{"batches": 4, "length": BATCHES}]
+    assert saved[resumable_loaders.POSITIONS_KEY]["loaders"] == [{"batches": 4, "length": BATCHES}]
 
     history = reference_history[:4]
     resumed = _Regression(history)

@@ -22,17 +22,16 @@ from polytrain.errors import (  # noqa: E402
     WorkerHangError,
 )
 from polytrain.lightning import RayHorovodStrategy, RayStrategy  # noqa: E402
-from polytrain.lightning import launcher as launcher_module  # noqa: E402
 from polytrain.lightning.restarts import (  # noqa: E402
     CheckpointFinder,
     checkpoint_directories,
-    describe_loss,
     is_complete,
     pin_logger_versions,
-    should_restart,
     with_ckpt_path,
 )
+from polytrain.runs.policies.failure import describe_loss  # noqa: E402
 from polytrain.trainer_api.options.configs import FailureConfig  # noqa: E402
+from tests.unit.lightning_loop_fakes import fake_attempts  # noqa: E402
 
 DIED = (
     "Worker rank 1 (pid 4242 on 10.0.0.7) died: The actor died unexpectedly.\n\tclass_name: Worker"
@@ -69,13 +68,15 @@ def test_bad_max_retries_names_the_value_and_what_is_allowed(strategy, value, er
 # ------------------------------------------------------------ the decision
 def test_only_lost_or_hung_workers_are_restarted_within_the_budget():
     died = WorkerDiedError(DIED, rank=1)
-    assert should_restart(died, restarts=0, max_retries=3)
-    assert should_restart(WorkerHangError("stuck", rank=0), restarts=2, max_retries=3)
-    assert not should_restart(died, restarts=3, max_retries=3)
-    assert not should_restart(died, restarts=0, max_retries=0)
-    assert not should_restart(WorkerError("user code raised", rank=1), 0, 3)
-    assert not should_restart(ValueError("bad"), 0, 3)
-    assert not should_restart(KeyboardInterrupt(), 0, 3)
+    policy = RayStrategy(max_retries=3).failure_policy  # the run loop's policy, per strategy
+    assert policy.should_retry(died) and policy.should_retry(WorkerHangError("stuck", rank=0))
+    assert not RayStrategy(max_retries=0).failure_policy.should_retry(died)
+    assert not policy.should_retry(WorkerError("user code raised", rank=1))
+    assert not policy.should_retry(ValueError("bad"))
+    assert not policy.should_retry(KeyboardInterrupt())
+    for _ in range(3):
+        policy.record_restart(died)
+    assert not policy.should_retry(died)
 
 
 def test_the_log_line_names_rank_pid_and_cause():
@@ -191,20 +192,21 @@ def test_ckpt_path_is_replaced_wherever_it_was_given():
 
 
 # ------------------------------------------------------------ the launcher's loop
-def _fake_launches(monkeypatch, attempts):
-    """Replace each group's run by the next of ``attempts``: what it returns, or raises if an error."""
-    calls = []
+def _outputs(attempt):
+    """An attempt of the fake: rank 0's result, or the error ``attempt()`` returns."""
 
-    def launch_once(self, trainer, function, args, kwargs, tune_queue):
-        calls.append((args, kwargs))
-        outcome = attempts[len(calls) - 1]()
+    def run(loop):
+        outcome = attempt()
         if isinstance(outcome, BaseException):
-            raise outcome
+            return outcome
         return [types.SimpleNamespace(trainer_results=outcome)]
 
-    monkeypatch.setattr(launcher_module.RayLauncher, "_launch_once", launch_once)
-    monkeypatch.setattr(launcher_module, "_recover_results_in_main_process", lambda *a: None)
-    return calls
+    return run
+
+
+def _fake_launches(monkeypatch, attempts):
+    """Each attempt is the next of ``attempts``; returns each one's ``(args, kwargs, drain path)``."""
+    return fake_attempts(monkeypatch, [_outputs(attempt) for attempt in attempts])
 
 
 def test_a_lost_worker_restarts_the_fit_from_the_newest_checkpoint(tmp_path, monkeypatch, caplog):
@@ -221,20 +223,24 @@ def test_a_lost_worker_restarts_the_fit_from_the_newest_checkpoint(tmp_path, mon
         result = strategy.launcher.launch(_fit_impl, "model", trainer=trainer)
     assert result == "done"
     assert strategy.num_restarts == 1
-    assert calls[0] == (("model",), {})
-    assert calls[1] == (("model",), {"ckpt_path": written})
+    assert calls[0][:2] == (("model",), {})
+    assert calls[1][:2] == (("model",), {"ckpt_path": written})
     assert (
         f"Worker rank 1 died (pid 4242 on 10.0.0.7: The actor died unexpectedly.); restart 1 of "
-        f"3 from {written}." in caplog.text
+        f"3 (RayStrategy max_retries) from {written}." in caplog.text
     )
 
 
 def test_without_a_checkpoint_the_fit_starts_over_and_past_max_retries_the_error_is_raised(
     tmp_path, monkeypatch, caplog
 ):
-    trainer = _trainer(tmp_path)
+    trainer = pl.Trainer(
+        strategy=RayStrategy(num_workers=2, max_retries=1),
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        logger=False,
+    )
     strategy = trainer.strategy
-    strategy.max_retries = 1
     first, second = WorkerDiedError(DIED, rank=1), WorkerDiedError(DIED, rank=0)
     calls = _fake_launches(monkeypatch, [lambda: first, lambda: second])
     with caplog.at_level(logging.WARNING, logger="polytrain.lightning"):
@@ -242,11 +248,12 @@ def test_without_a_checkpoint_the_fit_starts_over_and_past_max_retries_the_error
             strategy.launcher.launch(_fit_impl, "model", trainer=trainer, ckpt_path="given.ckpt")
     assert info.value is second and info.value.rank == 0
     assert strategy.num_restarts == 1
-    assert calls[1] == calls[0] == (("model",), {"ckpt_path": "given.ckpt"})
+    assert calls[1][:2] == calls[0][:2] == (("model",), {"ckpt_path": "given.ckpt"})
     assert (
-        "restart 1 of 1 from ckpt_path='given.ckpt' (no checkpoint of this fit yet" in caplog.text
+        "restart 1 of 1 (RayStrategy max_retries) from ckpt_path='given.ckpt' (no checkpoint of "
+        "this fit yet" in caplog.text
     )
-    assert "no restart left (max_retries=1, 1 used)" in caplog.text
+    assert "no restart left (RayStrategy max_retries=1, 1 used)" in caplog.text
 
 
 def test_user_errors_are_never_retried(tmp_path, monkeypatch):
@@ -270,4 +277,6 @@ def test_other_calls_run_again_as_they_were(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="polytrain.lightning"):
         result = trainer.strategy.launcher.launch(_validate_impl, "m", trainer=trainer)
     assert result == [{"acc": 1.0}] and calls[0] == calls[1]
-    assert "restart 1 of 3 from the start of the validate call" in caplog.text
+    assert "restart 1 of 3 (RayStrategy max_retries) from the start of the validate call" in (
+        caplog.text
+    )

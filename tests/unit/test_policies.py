@@ -16,14 +16,12 @@ from polytrain.errors import (
 )
 from polytrain.launchers import LocalWorkerGroup, ScalingConfig, WorkerGroup, make_group
 from polytrain.launchers.local import _Done
+from polytrain.runs.policies.failure import FailureDecision, FailurePolicy
+from polytrain.runs.policies.scaling import ScalingPolicy
+from polytrain.runs.watch.hang import HangWatchdog
+from polytrain.runs.watch.progress import ProgressReporter
 from polytrain.trainer_api.checkpointing.manager import CheckpointManager
 from polytrain.trainer_api.options.configs import CheckpointConfig
-from polytrain.trainer_api.policies import (
-    FailurePolicy,
-    HangWatchdog,
-    ProgressReporter,
-    ScalingPolicy,
-)
 
 
 def test_failure_policy_retries_lost_and_hung_workers_within_the_budget():
@@ -67,6 +65,19 @@ def test_a_call_budget_overrides_the_trainers_budget():
 )
 def test_failure_policy_never_retries_user_errors_or_interrupts(error):
     assert not FailurePolicy(max_retries=5).should_retry(error)
+
+
+def test_the_failure_policy_decides_as_data_and_a_launcher_may_retry_any_worker_error():
+    died = WorkerDiedError("rank 1 died", rank=1)
+    user_error = WorkerError("exited with code 3", rank=0)
+    assert FailurePolicy(max_retries=1).decide(died) is FailureDecision.RETRY
+    assert FailurePolicy(max_retries=1).decide(user_error) is FailureDecision.RAISE
+    # polytrain launch: any failed rank restarts the script, as torchrun --max-restarts does.
+    script = FailurePolicy(1, retryable=(WorkerError,), option="--max-restarts")
+    assert script.decide(user_error) is FailureDecision.RETRY
+    script.record_restart(user_error)
+    assert script.decide(user_error) is FailureDecision.RAISE
+    assert FailurePolicy(2**31 - 1).describe_limit() == "unlimited"
 
 
 def test_scaling_policy_without_min_workers_always_restarts_in_full():
@@ -198,7 +209,7 @@ class _StoppedRankGroup(_FrozenGroup):
 
 
 def test_hang_watchdog_blames_a_stopped_process_at_once_and_says_so(monkeypatch):
-    from polytrain.trainer_api.policies import watchdog as watchdog_module
+    from polytrain.runs.watch import hang as watchdog_module
 
     monkeypatch.setattr(watchdog_module, "SILENT_AFTER_S", 0.1)
     monkeypatch.setattr(watchdog_module, "REPORT_WAIT_S", 30.0)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from polytrain.errors import ConfigError, ConfigTypeError
-from polytrain.trainer_api.checkpointing.step_plans import (
-    PROBE_STEPS,
-    StepCheckpointPlan,
-    combine_call_stats,
-    train_in_chunks,
-)
+from polytrain.runs.watch.termination import TerminationWatch
+from polytrain.trainer_api.checkpointing.step_plans import PROBE_STEPS, StepCheckpointPlan
 from polytrain.trainer_api.options.configs import CheckpointConfig
+from polytrain.trainer_api.results import combine_call_stats
+from polytrain.trainer_api.torch.trainer import TorchTrainer
 
 
 def test_every_n_steps_cuts_calls_where_a_checkpoint_is_due():
@@ -44,9 +44,12 @@ def test_a_call_in_pieces_trains_what_one_call_would_and_reports_it_once():
                  "num_steps": steps, "epoch_time_s": 1.0, "peak_memory_mb": 10.0 * len(calls)}  # fmt: skip
         return stats, [stats], due, done
 
-    stats, pieces = train_in_chunks(plan, once, num_steps=10, end_epoch=True)
+    # The trainer's own loop over the plan (no trainer needed: it reads the plan and the
+    # termination watch only).
+    trainer = SimpleNamespace(_step_plan=plan, termination=TerminationWatch(enabled=False))
+    stats, results = TorchTrainer._train_in_pieces(trainer, once, num_steps=10, end_epoch=True)
     assert calls == [(4, False, True), (4, False, True), (2, True, False)]
-    assert len(pieces) == 3
+    assert [r["num_steps"] for r in results] == [2]  # the last piece's per-worker results
     assert (stats["num_steps"], stats["num_samples"], stats["epoch_time_s"]) == (10, 320, 3.0)
     assert stats["loss"] == pytest.approx((1 * 4 + 2 * 4 + 3 * 2) / 10)  # sample-weighted
     assert stats["peak_memory_mb"] == 30.0 and stats["samples_per_s"] == pytest.approx(320 / 3)

@@ -14,7 +14,7 @@ from polytrain.backends.fsdp.config import FSDPConfig
 from polytrain.backends.fsdp.wrap import block_classes, block_units, repeated_blocks
 from polytrain.errors import ConfigError
 from polytrain.trainer_api.options.run_config import load_config
-from polytrain.trainer_api.torch.batches import batch_counts, micro_batches, model_loss
+from polytrain.trainer_api.torch.default_step import batch_counts, micro_batches, model_loss
 from tests.helpers import DIGITS
 
 

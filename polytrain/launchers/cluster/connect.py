@@ -30,7 +30,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -357,10 +357,40 @@ def _init_once(
     return outcome
 
 
-def placeable_bundles(bundle: dict[str, float]) -> int:
-    """How many more copies of ``bundle`` the cluster's free resources hold now."""
+def placeable_bundles(bundle: dict[str, float], excluded_nodes: Iterable[str] = ()) -> int:
+    """How many more copies of ``bundle`` the cluster's free resources hold now.
+
+    ``excluded_nodes`` (Ray node ids, e.g. draining nodes) are not counted: Ray
+    schedules nothing new on a draining node but still counts its free resources
+    as available, so a group sized by them would wait for room that never comes.
+    """
+    excluded = frozenset(excluded_nodes)
+    if excluded:
+        return placeable_outside(
+            bundle, excluded, ray._private.state.available_resources_per_node()
+        )
     available = ray.available_resources()
     return int(min(available.get(k, 0.0) // v for k, v in bundle.items() if v > 0))
+
+
+def placeable_outside(
+    bundle: Mapping[str, float],
+    excluded: Iterable[str],
+    available: Mapping[str, Mapping[str, float]],
+) -> int:
+    """How many copies of ``bundle`` the free resources of the nodes not in ``excluded`` hold.
+
+    ``available``: ``{node_id: {resource: free amount}}`` (Ray's
+    ``available_resources_per_node()``). Counted per node: a bundle never spans nodes.
+    """
+    skip = set(excluded)
+    total = 0
+    for node_id, free in available.items():
+        if node_id in skip:
+            continue
+        fits = [free.get(k, 0.0) // v for k, v in bundle.items() if v > 0]
+        total += int(min(fits)) if fits else 0
+    return total
 
 
 def format_resources(resources: dict[str, float]) -> str:

@@ -16,14 +16,20 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from polytrain.checkpoint import layout
 from polytrain.checkpoint import single_file as ckpt
 from polytrain.checkpoint.directory import SaveRequest
 from polytrain.errors import CheckpointError, ConfigError
+from polytrain.runs.loop import RunLoop
 from polytrain.trainer_api.checkpointing import worker_writer as checkpoint_worker
-from polytrain.trainer_api.checkpointing.recovery import RecoveryPoint
+from polytrain.trainer_api.checkpointing.manager import CheckpointManager
+from polytrain.trainer_api.checkpointing.recovery import RecoveryPoint, RecoveryStore
+from polytrain.trainer_api.data.position import DataPosition
+from polytrain.trainer_api.options.configs import CheckpointConfig
 
 logger = logging.getLogger(__name__)
 
@@ -31,18 +37,63 @@ logger = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 600.0
 
 
+@dataclass(frozen=True)
+class WorkerStates:
+    """How a framework's training state leaves and enters the workers (the trainer's hooks).
+
+    Attributes:
+        framework: ``torch`` or ``tensorflow`` (recorded in every checkpoint).
+        backend_name: the backend in use (recorded in every checkpoint).
+        worker_module: the framework's worker-side checkpoint module (``save_dir``,
+            ``load_dir``), or None: checkpoint directories cannot be read.
+        gather: the consolidated state from the workers (before it is wrapped).
+        scatter: load a validated checkpoint dict into every worker.
+        for_file: a state as :meth:`TrainerCheckpoints.save` writes it.
+    """
+
+    framework: str
+    backend_name: str
+    worker_module: Any
+    gather: Callable[[], dict[str, Any]]
+    scatter: Callable[[dict[str, Any]], None]
+    for_file: Callable[[dict[str, Any]], dict[str, Any]]
+
+
 class TrainerCheckpoints:
     """The checkpoints of one trainer (driver side).
 
     Args:
-        trainer: the :class:`~polytrain.trainer_api.trainer.BaseTrainer` it serves: its
-            data position, worker group, options, checkpoint manager and recovery store.
-            A framework trainer sets ``checkpoint_worker_module``: a module with
-            ``load_dir(url) -> dict`` run on every worker.
+        loop: the trainer's run loop (its group, and calls into it).
+        states: how the framework's state leaves and enters the workers.
+        position: the trainer's data position (read for requests, set by loads).
+        manager: names, tracks and prunes the checkpoint directories.
+        recovery: the latest state a restarted group resumes from.
+        config: the trainer's checkpoint options.
+        max_failures: ``failure_config.max_checkpoint_failures``.
+        keeps_state: whether the trainer keeps recovery states now (retries on,
+            elastic training or a ``checkpoint_dir``).
     """
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
+    def __init__(
+        self,
+        *,
+        loop: RunLoop,
+        states: WorkerStates,
+        position: DataPosition,
+        manager: CheckpointManager,
+        recovery: RecoveryStore,
+        config: CheckpointConfig,
+        max_failures: int,
+        keeps_state: Callable[[], bool],
+    ) -> None:
+        self.loop = loop
+        self.states = states
+        self.position = position
+        self.manager = manager
+        self.recovery = recovery
+        self.config = config
+        self.max_failures = max_failures
+        self.keeps_state = keeps_state
         self._probed_group: Any = None  # the group asked whether it sees the directory
         self._shared = False
         self._resumed = False
@@ -51,16 +102,16 @@ class TrainerCheckpoints:
     def header(self, epoch: int) -> dict[str, Any]:
         """What a checkpoint's manifest records about the run (``epoch``: epochs completed)."""
         return {
-            "framework": self.trainer.framework,
-            "backend": self.trainer.backend.name,
-            "world_size": self.trainer._group_size,
+            "framework": self.states.framework,
+            "backend": self.states.backend_name,
+            "world_size": self.loop.group_size,
             "epoch": int(epoch),
-            "global_step": int(self.trainer._global_step),
+            "global_step": int(self.position.global_step),
         }
 
     def request(self, epoch: int, epoch_step: int = 0) -> SaveRequest:
         """Driver: a fresh checkpoint directory for the state at ``(epoch, epoch_step)``."""
-        return self.trainer.checkpoint_manager.request(
+        return self.manager.request(
             self.header(epoch),
             step_in_epoch=epoch_step or None,
             epoch_step=int(epoch_step),
@@ -76,21 +127,21 @@ class TrainerCheckpoints:
         Raises:
             ConfigError: a ``checkpoint_dir`` that some worker does not see.
         """
-        if self.trainer.scaling.local_mode:
+        if self.loop.scaling.local_mode:
             return True
-        if self._probed_group is self.trainer._group:
+        if self._probed_group is self.loop.group:
             return self._shared
-        root = self.trainer.checkpoint_manager.root()
+        root = self.manager.root()
         name = f".polytrain-probe-{uuid.uuid4().hex}"
         root.write_bytes(name, b"")
         try:
-            seen = self.trainer._run(checkpoint_worker.sees, root.url, name)
+            seen = self.loop.call(checkpoint_worker.sees, root.url, name)
         finally:
             root.remove(name)
         missing = [rank for rank, ok in enumerate(seen) if not ok]
-        if missing and self.trainer.checkpoint.checkpoint_dir is not None:
+        if missing and self.config.checkpoint_dir is not None:
             raise ConfigError(
-                f"checkpoint_dir={self.trainer.checkpoint.checkpoint_dir!r} is not visible from worker "
+                f"checkpoint_dir={self.config.checkpoint_dir!r} is not visible from worker "
                 f"rank(s) {missing} (another node?). The workers write checkpoints there "
                 f"themselves: use storage every node sees (NFS, or an fsspec URL such as "
                 f"s3://bucket/run)."
@@ -102,7 +153,7 @@ class TrainerCheckpoints:
                 "checkpoint_dir so that the workers write them directly.",
                 missing,
             )
-        self._probed_group, self._shared = self.trainer._group, not missing
+        self._probed_group, self._shared = self.loop.group, not missing
         return self._shared
 
     def keep_directory(self, stats: dict[str, Any], written: list[dict[str, Any]]) -> bool:
@@ -129,10 +180,10 @@ class TrainerCheckpoints:
             return False
         if not errors:
             self._failed_writes = 0
-        path = self.trainer.checkpoint_manager.record(written)
+        path = self.manager.record(written)
         if not any(w.get("pending") for w in written):
-            self.trainer.recovery.latest = RecoveryPoint(
-                self.trainer.epoch, self.trainer._epoch_step, path=written[0]["path"]
+            self.recovery.latest = RecoveryPoint(
+                self.position.epoch, self.position.epoch_step, path=written[0]["path"]
             )
         if path is not None:
             stats["checkpoint_path"] = path
@@ -141,12 +192,12 @@ class TrainerCheckpoints:
     def _write_failed(self, stats: dict[str, Any], url: str, error: str, remove: bool) -> None:
         """Count a failed checkpoint write, log it, drop its directory; raise past the limit."""
         self._failed_writes += 1
-        limit = self.trainer.failure.max_checkpoint_failures
-        previous = self.trainer.checkpoint_manager.latest_path
+        limit = self.max_failures
+        previous = self.manager.latest_path
         stats["checkpoint_error"] = error
         if remove and url:
             try:  # frees the space a full disk needs for the next write
-                self.trainer.checkpoint_manager.root().child(url.rsplit("/", 1)[-1]).remove()
+                self.manager.root().child(url.rsplit("/", 1)[-1]).remove()
             except OSError as exc:
                 logger.warning("Could not remove the uncommitted checkpoint %s: %s", url, exc)
         message = (
@@ -167,11 +218,11 @@ class TrainerCheckpoints:
     ) -> None:
         """Keep the epoch-end state a call captured (a dict, or a file rank 0 wrote)."""
         if path is not None and not os.path.isfile(path):
-            state, path = self.trainer._worker_state(), None  # written on another node: fetch it
+            state, path = self.states.gather(), None  # written on another node: fetch it
         if path is not None:
-            written = self.trainer.recovery.remember_file(path, self.trainer.epoch)
+            written = self.recovery.remember_file(path, self.position.epoch)
         elif state is not None:
-            written = self.trainer.recovery.remember_state(self.wrap_state(state))
+            written = self.recovery.remember_state(self.wrap_state(state))
         else:
             return
         if written is not None:
@@ -179,7 +230,7 @@ class TrainerCheckpoints:
 
     def flush(self) -> None:
         """Driver: wait for the workers' background writes (before a planned stop), then note the commits."""
-        group = self.trainer._group
+        group = self.loop.group
         if group is None:
             return
         deadline = time.monotonic() + FLUSH_TIMEOUT_S
@@ -196,14 +247,14 @@ class TrainerCheckpoints:
 
     def sync_recovery_point(self) -> None:
         """Driver: make the newest committed directory the recovery point (a background save may have committed)."""
-        if self.trainer.checkpoint_manager.latest is not None:
+        if self.manager.latest is not None:
             return  # a state held in memory is newer than any directory
-        newest = self.trainer.checkpoint_manager.restore_point()
-        point = self.trainer.recovery.latest
+        newest = self.manager.restore_point()
+        point = self.recovery.latest
         if newest is None or (point is not None and point.path == newest):
             return
-        meta = layout.open_checkpoint(newest, framework=self.trainer.framework).meta
-        self.trainer.recovery.latest = RecoveryPoint(
+        meta = layout.open_checkpoint(newest, framework=self.states.framework).meta
+        self.recovery.latest = RecoveryPoint(
             int(meta["epoch"]), int(meta.get("epoch_step", 0)), path=newest
         )
 
@@ -214,24 +265,24 @@ class TrainerCheckpoints:
         already at the position (the call ended where one was due) it is the one,
         else the workers write one now (``checkpoint_worker_module.save_dir``).
         """
-        trainer = self.trainer
+        position = self.position
         self.flush()
-        point = trainer.recovery.latest
+        point = self.recovery.latest
         if (
             point is not None
             and point.path
-            and trainer.recovery.is_at(trainer.epoch, trainer._epoch_step)
+            and self.recovery.is_at(position.epoch, position.epoch_step)
         ):
             return point.path
-        written = trainer._run(
-            trainer.checkpoint_worker_module.save_dir,
-            self.request(trainer.epoch, trainer._epoch_step),
+        written = self.loop.call(
+            self.states.worker_module.save_dir,
+            self.request(position.epoch, position.epoch_step),
         )
         stats: dict[str, Any] = {}
         if not self.keep_directory(stats, written):
             return None
         self.flush()  # an asynchronous save commits in the background
-        point = trainer.recovery.latest
+        point = self.recovery.latest
         return point.path if point is not None else None
 
     def resume_if_requested(self) -> None:
@@ -242,19 +293,17 @@ class TrainerCheckpoints:
         truncated rank file) is skipped with a warning naming it; without a loadable
         checkpoint in ``checkpoint_dir`` the run starts fresh.
         """
-        if not getattr(self.trainer.checkpoint, "resume", False) or self._resumed:
+        if not getattr(self.config, "resume", False) or self._resumed:
             return
         self._resumed = True
-        found, skipped = layout.newest_loadable(
-            self.trainer.checkpoint_manager.root(), self.trainer.framework
-        )
+        found, skipped = layout.newest_loadable(self.manager.root(), self.states.framework)
         for url, reason in skipped:
             logger.warning("resume=True: skipping checkpoint %s: %s", url, reason)
         newest = found.url if found is not None else None
         if newest is None:
             logger.info(
                 "resume=True: no committed checkpoint in %s; starting fresh.",
-                self.trainer.checkpoint.checkpoint_dir,
+                self.config.checkpoint_dir,
             )
             return
         logger.info("resume=True: continuing from %s", newest)
@@ -265,13 +314,11 @@ class TrainerCheckpoints:
         if layout.is_checkpoint_dir(path):
             self.load_directory(path)
         else:
-            self.trainer._load_worker_state(
-                ckpt.load_checkpoint(path, framework=self.trainer.framework)
-            )
+            self.states.scatter(ckpt.load_checkpoint(path, framework=self.states.framework))
 
     def load_directory(self, url: str) -> dict[str, Any]:
         """Driver: every worker loads its part of the directory; returns its ``epoch``/``epoch_step``."""
-        module = self.trainer.checkpoint_worker_module
+        module = self.states.worker_module
         if module is None:
             # A trainer subclass for another framework that declares no worker module.
             raise CheckpointError(
@@ -279,24 +326,24 @@ class TrainerCheckpoints:
                 f"no checkpoint_worker_module. Load a file written by save() instead, or set "
                 f"checkpoint_worker_module to a module with load_dir(url)."
             )
-        return self.trainer._run(module.load_dir, url)[0]
+        return self.loop.call(module.load_dir, url)[0]
 
     def wrap_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The portable checkpoint envelope around a framework state (see :mod:`.checkpoint`)."""
         return {
             "format": ckpt.FORMAT,
             "version": ckpt.VERSION,
-            "framework": self.trainer.framework,
-            "backend": self.trainer.backend.name,
-            "world_size": self.trainer.scaling.world_size,
-            "epoch": self.trainer.epoch,
-            "epoch_step": self.trainer._epoch_step,
+            "framework": self.states.framework,
+            "backend": self.states.backend_name,
+            "world_size": self.loop.scaling.world_size,
+            "epoch": self.position.epoch,
+            "epoch_step": self.position.epoch_step,
             **state,
         }
 
     def state_dict(self) -> dict[str, Any]:
         """The consolidated training state as a portable checkpoint dict."""
-        return self.wrap_state(self.trainer._worker_state())
+        return self.wrap_state(self.states.gather())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a state from :meth:`state_dict` or :meth:`load` on every worker.
@@ -306,17 +353,17 @@ class TrainerCheckpoints:
         Raises:
             CheckpointError: not a checkpoint dict of this framework; nothing is loaded.
         """
-        self.trainer._ensure_open()
-        ckpt.validate_checkpoint(state, "state", framework=self.trainer.framework)
-        self.trainer._load_worker_state(state)
-        self.trainer.epoch = int(state["epoch"])
-        self.trainer._epoch_step = int(state.get("epoch_step", 0))
+        self.loop.ensure_open()
+        ckpt.validate_checkpoint(state, "state", framework=self.states.framework)
+        self.states.scatter(state)
+        self.position.epoch = int(state["epoch"])
+        self.position.epoch_step = int(state.get("epoch_step", 0))
         # A restart must not fall back behind a loaded checkpoint.
-        self.trainer.recovery.loaded(state, keep=self.trainer._keeps_state)
+        self.recovery.loaded(state, keep=self.keeps_state())
 
     def save(self, path: str | os.PathLike) -> str:
         """Write a consolidated checkpoint to ``path`` atomically; returns the absolute path."""
-        return str(ckpt.save_checkpoint(self.trainer._file_state(self.state_dict()), path))
+        return str(ckpt.save_checkpoint(self.states.for_file(self.state_dict()), path))
 
     def load(self, path: str | os.PathLike) -> None:
         """Load a checkpoint written under any backend or world size: a file from :meth:`save`, or a directory.
@@ -331,21 +378,17 @@ class TrainerCheckpoints:
                 checkpoint, or written by a trainer of another framework; nothing is
                 loaded then.
         """
-        self.trainer._ensure_open()
+        self.loop.ensure_open()
         if not layout.is_checkpoint_dir(path):
-            self.load_state_dict(ckpt.load_checkpoint(path, framework=self.trainer.framework))
+            self.load_state_dict(ckpt.load_checkpoint(path, framework=self.states.framework))
             return
-        checkpoint = layout.open_checkpoint(os.fspath(path), framework=self.trainer.framework)
+        checkpoint = layout.open_checkpoint(os.fspath(path), framework=self.states.framework)
         info = self.load_directory(checkpoint.url)
-        self.trainer.epoch, self.trainer._epoch_step = (
-            int(info["epoch"]),
-            int(info.get("epoch_step", 0)),
-        )
-        self.trainer._global_step = int(
-            checkpoint.meta.get("global_step", self.trainer._global_step)
-        )
-        self.trainer.checkpoint_manager.loaded(checkpoint.url)
-        if self.trainer._keeps_state:
-            self.trainer.recovery.latest = RecoveryPoint(
-                self.trainer.epoch, self.trainer._epoch_step, path=checkpoint.url
+        position = self.position
+        position.epoch, position.epoch_step = int(info["epoch"]), int(info.get("epoch_step", 0))
+        position.global_step = int(checkpoint.meta.get("global_step", position.global_step))
+        self.manager.loaded(checkpoint.url)
+        if self.keeps_state():
+            self.recovery.latest = RecoveryPoint(
+                position.epoch, position.epoch_step, path=checkpoint.url
             )

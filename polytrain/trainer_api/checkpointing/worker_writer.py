@@ -85,28 +85,44 @@ def save_local_state(
     rank: int,
     world_size: int,
     local: LocalState,
-    meta: bytes | None,
+    meta_state: dict[str, Any] | None,
     rng: dict[str, Any] | None = None,
+    meta_format: str = "pt",
 ) -> dict[str, Any]:
     """Worker: write this rank's share of ``local`` to ``request.url`` (in the background if asked).
+
+    The one way from a framework's worker-side checkpoint module to the on-disk format
+    (:mod:`polytrain.checkpoint.directory`): the framework module says what the state
+    is, this writes it.
 
     Args:
         request: where, what, and whether asynchronously.
         rank: this worker's rank; ``world_size`` ranks write.
         world_size: the number of ranks.
-        local: this rank's pieces (and, on rank 0, the skeleton already inside ``meta``).
-        meta: rank 0: the serialised ``meta.pt``; None on the other ranks.
+        local: this rank's pieces (and, on rank 0, the skeleton already inside ``meta_state``).
+        meta_state: rank 0: the checkpoint's meta (envelope, skeleton, trainer state);
+            None on the other ranks.
         rng: this rank's random generator states, taken now (written with its index).
+        meta_format: ``"pt"`` (``meta.pt``, torch) or ``"json"`` (``meta.json``, no torch).
 
     Returns:
         Small metadata for the driver: ``path``, ``rank``, ``bytes``, ``pending`` (the
         write continues in the background), ``snapshot_s`` / ``write_s``, and
         ``previous_error`` when the previous background write failed.
     """
-    from polytrain.checkpoint.directory import plan_pieces, snapshot, write_part
+    from polytrain.checkpoint.directory import (
+        meta_bytes,
+        meta_json,
+        plan_pieces,
+        snapshot,
+        write_part,
+    )
     from polytrain.checkpoint.pieces import nbytes
 
     begin = time.perf_counter()
+    meta = None
+    if meta_state is not None:
+        meta = (meta_json if meta_format == "json" else meta_bytes)(meta_state)
     previous = writer().wait()
     mine = plan_pieces(local.pieces, rank, world_size)
     total = sum(nbytes(p.tensor) for p in mine)

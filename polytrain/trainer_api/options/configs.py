@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from polytrain.compat.deprecation import DRAIN_WORD, renamed
 from polytrain.compat.omegaconf_values import plain_config
 from polytrain.errors import ConfigError, ConfigTypeError
 from polytrain.launchers.scaling import (
@@ -61,23 +62,35 @@ class FailureConfig:
             :class:`~polytrain.errors.CheckpointError`; until then training continues with a
             warning and a ``checkpoint_error`` metric, and the previous checkpoint stays
             the one to resume from. 1 stops at the first failed write.
-        max_preemptions: drained nodes (a preemption announced by Ray: the group stops
+        max_drains: drains (Ray's announced loss of a node of the group: the group stops
             at a step, checkpoints there and moves off the node, see docs/failures.md)
             the trainer survives, counted apart from ``max_retries``; one more shuts it
-            down with :class:`~polytrain.errors.PreemptedError` after the checkpoint.
+            down with :class:`~polytrain.errors.DrainLimitError` after the checkpoint.
             None (the default): unlimited, like Ray Train's ``max_preemption_failures``.
+        max_preemptions: the former name of ``max_drains`` (deprecated; it sets ``max_drains``).
     """
 
     max_retries: int = 3
     hang_timeout_s: float | None = None
     collective_timeout_s: float = 1800.0
     max_checkpoint_failures: int = 3
+    max_drains: int | None = None
     max_preemptions: int | None = None
 
     def __post_init__(self) -> None:
         check_int("max_retries", self.max_retries, 0)
         if self.max_preemptions is not None:
             check_int("max_preemptions", self.max_preemptions, 0)
+            if self.max_drains is not None and self.max_drains != self.max_preemptions:
+                raise ConfigError(
+                    f"failure_config sets max_drains={self.max_drains} and its former name "
+                    f"max_preemptions={self.max_preemptions}: set max_drains only."
+                )
+            renamed("failure_config max_preemptions", "max_drains", DRAIN_WORD)
+            # Moved over, not mirrored: a dataclasses.replace() copy does not warn again.
+            self.max_drains, self.max_preemptions = self.max_preemptions, None
+        if self.max_drains is not None:
+            check_int("max_drains", self.max_drains, 0)
         check_number("hang_timeout_s", self.hang_timeout_s, 0, allow_none=True)
         check_number("collective_timeout_s", self.collective_timeout_s, 1)
         check_int("max_checkpoint_failures", self.max_checkpoint_failures, 1)

@@ -37,7 +37,6 @@ def _pieces(kind: str, arrays: list[Any]) -> list[Piece]:
 
 def save_dir(request: Any) -> dict[str, Any]:
     """Worker entry point: write this worker's share of the model and optimizer variables."""
-    from polytrain.checkpoint.directory import meta_json
 
     state = _worker()
     ctx = state.context
@@ -51,20 +50,20 @@ def save_dir(request: Any) -> dict[str, Any]:
     meta = None
     if ctx.world_rank == 0:
         header = request.header
-        meta = meta_json(
-            {
-                "format": ckpt.FORMAT,
-                "version": ckpt.VERSION,
-                "framework": header["framework"],
-                "backend": header.get("backend"),
-                "world_size": header.get("world_size"),
-                "epoch": header["epoch"],
-                "models": [[None] * len(weights)],
-                "optimizers": [None if variables is None else [None] * len(variables)],
-                **request.extra,
-            }
-        )
-    return save_local_state(request, ctx.world_rank, ctx.world_size, local, meta)
+        meta = {
+            "format": ckpt.FORMAT,
+            "version": ckpt.VERSION,
+            "framework": header["framework"],
+            "backend": header.get("backend"),
+            "world_size": header.get("world_size"),
+            "epoch": header["epoch"],
+            "models": [[None] * len(weights)],
+            "optimizers": [None if variables is None else [None] * len(variables)],
+            **request.extra,
+        }
+    return save_local_state(
+        request, ctx.world_rank, ctx.world_size, local, meta, meta_format="json"
+    )
 
 
 def load_dir(url: str) -> dict[str, Any]:

@@ -166,7 +166,8 @@ class TFTrainer(BaseTrainer):
         self._start()
 
     # ------------------------------------------------------------- workers
-    def _setup_workers(self, group: WorkerGroup) -> None:
+    def setup_workers(self, group: WorkerGroup) -> None:
+        """Run loop: build the creators' Keras model and data on every worker of a new group."""
         if self.datasets is not None:  # a fresh split for every group: no stale coordinator
             shards = ray_data.split(self.datasets, len(group))
             group.get(
@@ -236,7 +237,7 @@ class TFTrainer(BaseTrainer):
                 "TFTrainer.train(end_epoch=False) is not supported: model.fit starts the data "
                 "set afresh at every call, so every call is an epoch. Drop end_epoch=False."
             )
-        with self.preemption.watching():  # SIGTERM: a checkpoint at the epoch end, then stop
+        with self.termination.watching():  # SIGTERM: a checkpoint at the epoch end, then stop
             self._begin_call(max_retries)
             results = self._run(
                 tf_worker.train_epoch,
@@ -258,7 +259,7 @@ class TFTrainer(BaseTrainer):
                 state = self._worker_state() if self._keeps_state else None
                 self.checkpoints.keep_state(stats, state, None)
             self._log("train", stats)
-            self._stop_if_preempted()
+            self._stop_if_terminated()
         return stats
 
     def validate(self, num_steps: int | None = None) -> dict[str, Any]:

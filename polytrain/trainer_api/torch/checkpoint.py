@@ -17,7 +17,7 @@ from typing import Any
 from polytrain.backends.core.local_state import load_local_state, local_state
 from polytrain.checkpoint import rng_state
 from polytrain.checkpoint import single_file as ckpt
-from polytrain.checkpoint.directory import DirReader, SaveRequest, meta_bytes
+from polytrain.checkpoint.directory import DirReader, SaveRequest
 from polytrain.checkpoint.layout import open_checkpoint, rank_file
 from polytrain.checkpoint.safetensors_export import META_KEY
 from polytrain.trainer_api.checkpointing.worker_writer import save_local_state, writer
@@ -87,15 +87,13 @@ def save_operator(operator: Any, request: SaveRequest) -> dict[str, Any]:
         local = local_state(operator.strategy, operator.components, ctx)
     meta = None
     if ctx.world_rank == 0:
-        meta = meta_bytes(
-            {
-                **envelope(request.header),
-                **(local.skeleton or {"models": [], "optimizers": []}),
-                **trainer_state(operator),
-                META_KEY: export_infos(operator),
-                **request.extra,
-            }
-        )
+        meta = {
+            **envelope(request.header),
+            **(local.skeleton or {"models": [], "optimizers": []}),
+            **trainer_state(operator),
+            META_KEY: export_infos(operator),
+            **request.extra,
+        }
     rng = rng_state.capture()  # now, on the training thread: the state the next batch sees
     return save_local_state(request, ctx.world_rank, ctx.world_size, local, meta, rng)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from polytrain.backends.core.local_state import local_state
 from polytrain.checkpoint import safetensors_export
-from polytrain.checkpoint.directory import DirReader, SaveRequest, meta_bytes
+from polytrain.checkpoint.directory import DirReader, SaveRequest
 from polytrain.checkpoint.layout import open_checkpoint
 from polytrain.errors import ConfigError, PolytrainError
 from polytrain.trainer_api.checkpointing.worker_writer import save_local_state, writer
@@ -60,14 +60,12 @@ def save_pretrained_operator(operator: Any, request: ExportRequest) -> dict[str,
     meta = None
     if ctx.world_rank == 0:
         models = (local.skeleton or {}).get("models") or []
-        meta = meta_bytes(
-            {
-                **checkpoint_torch.envelope(state.header),
-                "models": models,
-                "optimizers": [],
-                safetensors_export.META_KEY: checkpoint_torch.export_infos(operator, strict=True),
-            }
-        )
+        meta = {
+            **checkpoint_torch.envelope(state.header),
+            "models": models,
+            "optimizers": [],
+            safetensors_export.META_KEY: checkpoint_torch.export_infos(operator, strict=True),
+        }
     save_local_state(state, ctx.world_rank, ctx.world_size, local, meta)
     if ctx.world_rank != 0:
         return None

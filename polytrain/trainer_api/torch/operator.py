@@ -26,7 +26,7 @@ from polytrain.launchers.worker import report_progress
 from polytrain.trainer_api.data.loaders import move_to_device
 from polytrain.trainer_api.profiling import PhaseTimer
 from polytrain.trainer_api.results import is_finite_number
-from polytrain.trainer_api.torch import batches as default_step
+from polytrain.trainer_api.torch import default_step
 
 
 class NonFiniteLossError(PolytrainError, FloatingPointError):
@@ -75,7 +75,7 @@ class TrainingOperator:
 
         The default takes ``(features, target)``, ``(*features, target)`` or a mapping
         batch (``model(**batch)``; the output's own loss without a ``loss_creator``),
-        see :mod:`polytrain.trainer_api.torch.batches`, and trains ``self.model`` with
+        see :mod:`polytrain.trainer_api.torch.default_step`, and trains ``self.model`` with
         ``self.optimizer``: with several models or optimizers it raises
         :class:`~polytrain.errors.CreatorError` rather than train only the first.
         ``batch_info["micro_step"]`` and ``["num_micro_steps"]`` say where the batch

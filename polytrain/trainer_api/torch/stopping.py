@@ -1,7 +1,8 @@
 """Stopping a running ``train()`` call after an agreed batch (worker side).
 
 The driver decides to stop a call early when a node of the group is draining
-(:mod:`polytrain.trainer_api.policies.drain`). Every rank must stop after the
+(:mod:`polytrain.runs.watch.drains`; the run loop settles the step with
+:mod:`polytrain.runs.stop_at_step`). Every rank must stop after the
 same batch, or one would wait forever in a collective the others never join. A
 :class:`StopGate` per worker answers the driver's requests from the monitor
 thread while the training thread runs the batch loop; :class:`GatedSteps` wraps
@@ -42,7 +43,7 @@ class StopGate:
         self._early: dict[int, dict[str, Any]] = {}  # requests for a call not begun yet
 
     def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Answer a request (see :func:`~polytrain.trainer_api.policies.drain.agree_on_stop`)."""
+        """Answer a request (see :func:`~polytrain.runs.stop_at_step.agree_on_stop`)."""
         call = int(request.get("call", -1))
         with self._cond:
             if self._call is None or call > self._call:

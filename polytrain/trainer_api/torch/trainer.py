@@ -19,7 +19,6 @@ from polytrain.checkpoint.directory import SaveRequest
 from polytrain.errors import CheckpointError, ConfigError
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.ranks import split_batch_size
-from polytrain.trainer_api.checkpointing.step_plans import combine_call_stats, train_in_chunks
 from polytrain.trainer_api.creators import TorchCreators
 from polytrain.trainer_api.data import ray_data
 from polytrain.trainer_api.options.configs import (
@@ -28,7 +27,7 @@ from polytrain.trainer_api.options.configs import (
     ScalingConfig,
 )
 from polytrain.trainer_api.profiling import reduce_profiles
-from polytrain.trainer_api.results import reduce_worker_stats
+from polytrain.trainer_api.results import combine_call_stats, reduce_worker_stats
 from polytrain.trainer_api.torch import export as torch_export
 from polytrain.trainer_api.torch import worker as torch_worker
 from polytrain.trainer_api.torch.calls import check_call_options, driver_keys, operator_class
@@ -194,7 +193,8 @@ class TorchTrainer(BaseTrainer):
         return worker_config
 
     # ------------------------------------------------------------- workers
-    def _setup_workers(self, group: WorkerGroup) -> None:
+    def setup_workers(self, group: WorkerGroup) -> None:
+        """Run loop: build the creators' components on every worker of a new group."""
         if self.datasets is not None:  # a fresh split for every group: no stale coordinator
             shards = ray_data.split(self.datasets, len(group))
             group.get(
@@ -220,13 +220,6 @@ class TorchTrainer(BaseTrainer):
             )
         ]
         group.get(refs)
-
-    def _load_state_file(self, path: str) -> None:
-        # Workers that all see the file (rank 0 wrote it on this node) read it themselves.
-        if all(self._run(torch_worker.sees_file, path)):
-            self._run(torch_worker.load_state_file, path)
-        else:
-            super()._load_state_file(path)
 
     def _worker_state(self) -> dict[str, Any]:
         return self._run(torch_worker.get_state, self.epoch)[0]
@@ -284,16 +277,38 @@ class TorchTrainer(BaseTrainer):
         def once(steps: int | None, ends: bool, due: bool) -> Any:
             return self._train_once(steps, info, profile, ends, max_retries, due)
 
-        with self.preemption.watching():  # SIGTERM: a checkpoint at the next boundary
+        with self.termination.watching():  # SIGTERM: a checkpoint at the next boundary
             if self._step_plan.active and self._keeps_state:
-                stop = self.preemption.requested
-                stats, pieces = train_in_chunks(self._step_plan, once, num_steps, end_epoch, stop)
-                results = pieces[-1]
+                stats, results = self._train_in_pieces(once, num_steps, end_epoch)
             else:
                 stats, results, _, _ = once(num_steps, end_epoch, False)
             self._log("train", stats)
-            self._stop_if_preempted()
+            self._stop_if_terminated()
         return stats if reduce_results else self._raw(results, stats)
+
+    def _train_in_pieces(
+        self, once: Callable[[int, bool, bool], Any], num_steps: int | None, end_epoch: bool
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """One ``train()`` call as worker calls that end where a mid-epoch checkpoint is due.
+
+        The plan (``CheckpointConfig.every_n_steps`` / ``every_s``) sizes each piece;
+        the pieces train exactly the batches one call would have (calls continue the
+        epoch), and a termination signal ends the call after the running piece.
+        """
+        plan, parts, left = self._step_plan, [], num_steps
+        while True:
+            piece, due = plan.next_piece(left)
+            last = left is not None and piece >= left
+            start = time.monotonic()
+            stats, results, wrote, epoch_done = once(piece, end_epoch and last, due)
+            steps = int(stats.get("num_steps", 0) or 0)
+            plan.record(steps, time.monotonic() - start, wrote)
+            parts.append(stats)
+            if left is not None:
+                left -= steps
+            stopped = self.termination.requested()
+            if stopped or epoch_done or steps < piece or (left is not None and left <= 0):
+                return combine_call_stats(parts), results
 
     def _train_once(
         self,
@@ -308,16 +323,16 @@ class TorchTrainer(BaseTrainer):
 
         One worker call, unless a node of the group drains during it: then the call
         stops after an agreed step, the group moves off the node from a checkpoint
-        there (:meth:`_leave_draining_nodes`) and the rest of the steps run on it.
+        there (:meth:`_leave_drained_nodes`) and the rest of the steps run on it.
         """
         parts, left = [], num_steps
         while True:
             piece = self._train_piece(left, info, profile, end_epoch, max_retries, checkpoint_due)
             stats, results, wrote, epoch_done = piece
             parts.append(stats)
-            if self._drain is None:
+            if self.loop.pending_drain is None:
                 break
-            self._leave_draining_nodes()
+            self._leave_drained_nodes()
             if left is not None:
                 left -= int(stats.get("num_steps", 0) or 0)
             if epoch_done or (left is not None and left <= 0):
@@ -372,7 +387,7 @@ class TorchTrainer(BaseTrainer):
                 capture = self.checkpoints.request(self.epoch + 1)
                 if checkpoint_due and num_steps:  # where this call will stop, inside the epoch
                     batches = num_steps * self.step.gradient_accumulation_steps
-                    mid = self.checkpoints.request(self.epoch, self._epoch_step + batches)
+                    mid = self.checkpoints.request(self.epoch, self.position.epoch_step + batches)
             else:
                 envelope = {
                     k: v for k, v in self.checkpoints.wrap_state({}).items() if k != "epoch"
@@ -380,7 +395,7 @@ class TorchTrainer(BaseTrainer):
                 capture = torch_worker.StateCapture(envelope, None)
         return torch_worker.TrainCall(
             self.epoch,
-            self._epoch_step,
+            self.position.epoch_step,
             num_steps,
             info,
             profile,

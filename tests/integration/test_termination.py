@@ -1,6 +1,6 @@
-"""A preempted driver (issue 28, item 2): SIGTERM mid-epoch loses no step.
+"""The driver's termination signal (issue 28, item 2): SIGTERM mid-epoch loses no step.
 
-A driver process (``preempt_driver.py``) trains a model with dropout, with mid-epoch
+A driver process (``termination_driver.py``) trains a model with dropout, with mid-epoch
 checkpoints in a ``checkpoint_dir``; SIGTERM to it while an epoch runs makes the
 workers checkpoint at the next boundary and the process exit with status 143. The
 same command (``resume=True``) continues there: the batches both runs trained are
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from polytrain.checkpoint import layout
-from polytrain.errors import PreemptedError
+from polytrain.errors import TerminatedError
 
 pytestmark = pytest.mark.usefixtures("ray_start_4_cpus")
 
@@ -30,7 +30,7 @@ EPOCHS = 2
 
 
 def _driver(address: str, tmp_path: Path, name: str) -> subprocess.Popen:
-    script = Path(__file__).with_name("preempt_driver.py")
+    script = Path(__file__).with_name("termination_driver.py")
     args = [tmp_path / name, EPOCHS, tmp_path / f"{name}.pt", tmp_path / f"{name}.log"]
     return subprocess.Popen(
         [sys.executable, str(script), address, *map(str, args)],
@@ -58,7 +58,7 @@ def test_sigterm_checkpoints_at_the_next_boundary_and_resume_loses_no_step(
     assert run.poll() is None, "the run ended before the signal"
     run.send_signal(signal.SIGTERM)
     out, err = run.communicate(timeout=600)
-    assert run.returncode == PreemptedError.exit_code == 143, err[-3000:]
+    assert run.returncode == TerminatedError.exit_code == 143, err[-3000:]
     assert "SIGTERM received: the workers checkpoint at epoch" in err  # the decision, logged
     assert "Training stopped on SIGTERM" in err and "no step lost" in err
     line = out.splitlines()[-1].split()

@@ -1,32 +1,24 @@
-"""Drained nodes: a node that hosts workers is about to go; stop at a step, checkpoint, move.
+"""The drain watch: Ray announces that a node of the group is about to go.
 
 A cloud preemption or an autoscaler's scale-down announces itself in Ray as a
 *drain*: the node is marked draining, optionally with a deadline after which it is
 killed (``ray drain-node``; autoscaler v2 makes the same GCS call), and Ray schedules
-nothing new on it. :class:`DrainWatch` polls Ray's draining nodes (at most once a
-second, from the trainer's poll hook) and turns a drain of a node that hosts workers
-of the group into a :class:`DrainDecision`: data the trainer loop acts on.
-
-The loop then has every worker stop after the *same* step inside the running call
-(the ranks run collectives together): :func:`agree_on_stop` settles that step
-through the workers' monitor channel, the group checkpoints there (the data
-position and random states) and restarts off the draining node from that checkpoint:
-no step is lost. Everything here is a pure decision or takes its Ray calls injected,
-so it is tested without a cluster.
+nothing new on it. polytrain calls this event a **drain** everywhere (Ray Train's
+function API keeps Ray's word, *preemption*: ``get_preemption_info``).
+:class:`DrainWatch` polls Ray's draining nodes (at most once a second, from the run
+loop's poll hook) and reports a drain of a node that hosts workers of the group as a
+:class:`DrainEvent`: data the run loop (:mod:`polytrain.runs.loop`) and the drain
+policy (:mod:`polytrain.runs.policies.drain`) act on. The Ray call is injected, so
+the watch is tested without a cluster.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from polytrain.launchers.base import WorkerGroup
-from polytrain.launchers.factory import placeable_workers
-from polytrain.launchers.scaling import ScalingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +29,6 @@ POLL_INTERVAL_S = 1.0
 #: deadline only; a node running work is drained for preemption (the raylet refuses an
 #: idle-termination drain of a busy node), so that is the reason of any drain seen here.
 PREEMPTION = "preemption"
-
-#: Rounds of :func:`agree_on_stop` before it gives up (each is one monitor round trip).
-MAX_ROUNDS = 20
 
 
 @dataclass(frozen=True)
@@ -75,8 +64,8 @@ class DrainingNode:
 
 
 @dataclass(frozen=True)
-class DrainDecision:
-    """Nodes of the group that started draining: stop at a step boundary and move off them.
+class DrainEvent:
+    """Nodes of the group that started draining (the run loop stops the call and moves off them).
 
     Attributes:
         nodes: the draining nodes that host workers, earliest deadline first.
@@ -108,6 +97,12 @@ class DrainDecision:
     def describe_ranks(self) -> str:
         """``rank 1`` or ``ranks 2, 3``: the ranks on the draining nodes, for a log line."""
         return ranks_phrase(self.ranks)
+
+    def merged(self, other: DrainEvent | None) -> DrainEvent:
+        """This event with the nodes of an earlier one not acted on yet (``other``) in front."""
+        if other is None:
+            return self
+        return DrainEvent(other.nodes + self.nodes, self.reason)
 
     def deadline_note(self, now_s: float | None = None) -> str:
         """``no deadline`` or ``<s> s before the deadline`` (the earliest), for a log line."""
@@ -174,8 +169,8 @@ class DrainWatch:
             nodes.setdefault(meta.node_id, (meta.node_ip, []))[1].append(rank)
         self._nodes = {nid: (ip, tuple(ranks)) for nid, (ip, ranks) in nodes.items()}
 
-    def poll(self, force: bool = False) -> DrainDecision | None:
-        """A decision when a node of the group started draining since the last look, else None.
+    def poll(self, force: bool = False) -> DrainEvent | None:
+        """An event when a node of the group started draining since the last look, else None.
 
         A node is reported once; a failed look (the GCS busy) is logged and skipped.
         ``force`` looks now even if the last look was less than ``interval_s`` ago.
@@ -192,10 +187,10 @@ class DrainWatch:
             logger.debug("Could not read Ray's draining nodes: %s", exc)
             return None
         self.draining = frozenset(draining)
-        return self.decide(draining)
+        return self.event_for(draining)
 
-    def decide(self, draining: Mapping[str, int]) -> DrainDecision | None:
-        """The decision for ``draining`` (``{node_id: deadline_ms}``): the group's nodes not reported yet."""
+    def event_for(self, draining: Mapping[str, int]) -> DrainEvent | None:
+        """The event for ``draining`` (``{node_id: deadline_ms}``): the group's nodes not reported yet."""
         new = [
             DrainingNode(nid, ip, ranks, _deadline(draining[nid]))
             for nid, (ip, ranks) in self._nodes.items()
@@ -205,7 +200,7 @@ class DrainWatch:
             return None
         self._reported.update(node.node_id for node in new)
         new.sort(key=lambda n: (n.deadline_ms is None, n.deadline_ms or 0, n.node_id))
-        return DrainDecision(tuple(new))
+        return DrainEvent(tuple(new))
 
 
 def _deadline(deadline_ms: int) -> int | None:
@@ -213,111 +208,3 @@ def _deadline(deadline_ms: int) -> int | None:
     # "forever" (2**63 - 1), which its own tests use.
     deadline_ms = int(deadline_ms)
     return deadline_ms if 0 < deadline_ms < 2**62 else None
-
-
-def stop_target(taken: Iterable[int], unit: int = 1, margin: int = 1) -> int:
-    """The batch count (of the running call) every rank can still stop after.
-
-    ``taken``: the batches each rank has started. The target is the next step
-    boundary (a multiple of ``unit``, the batches per optimizer step) after the
-    furthest rank's batch, plus ``margin`` steps for the request to arrive.
-    """
-    furthest = max(taken, default=0)
-    return (math.ceil(furthest / unit) + margin) * unit
-
-
-def agree_on_stop(
-    ask: Callable[[dict[str, Any]], list[dict[str, Any] | None]],
-    unit: int = 1,
-    max_rounds: int = MAX_ROUNDS,
-) -> int | None:
-    """Settle the batch of the running call after which every rank stops; None if that failed.
-
-    ``ask(request)`` sends one request to every rank (through the monitor channel,
-    answered while the batch loop runs) and returns each rank's reply in rank order
-    (None: no reply). Requests: ``{"target": None}`` asks where each rank is;
-    ``{"target": T}`` proposes T: a rank that has not started batch T + 1 accepts
-    and, once at T, waits for the verdict; one past T refuses. ``{"target": T,
-    "final": True}`` stops every rank after T; ``{"cancel": True}`` withdraws the
-    proposal. Replies: ``{"ok": bool, "taken": batches started}``.
-
-    A rank that refused raises the target past it, and the proposal goes out again:
-    ranks waiting at the old target move on to the new one, so no rank ever stops
-    at a step another has passed.
-    """
-    replies = ask({"target": None})
-    for _ in range(max_rounds):
-        if any(reply is None for reply in replies):
-            break  # a worker did not answer: the call's own failure handling takes over
-        target = stop_target((int(r["taken"]) for r in replies if r is not None), unit)
-        replies = ask({"target": target})
-        if all(reply is not None and reply.get("ok") for reply in replies):
-            ask({"target": target, "final": True})
-            return target
-    ask({"cancel": True})
-    return None
-
-
-def placeable_outside(
-    bundle: Mapping[str, float],
-    excluded: Iterable[str],
-    available: Mapping[str, Mapping[str, float]],
-) -> int:
-    """How many copies of ``bundle`` the free resources of the nodes not in ``excluded`` hold.
-
-    ``available``: ``{node_id: {resource: free amount}}`` (Ray's
-    ``available_resources_per_node()``). Counted per node: a bundle never spans nodes.
-    """
-    skip = set(excluded)
-    total = 0
-    for node_id, free in available.items():
-        if node_id in skip:
-            continue
-        fits = [free.get(k, 0.0) // v for k, v in bundle.items() if v > 0]
-        total += int(min(fits)) if fits else 0
-    return total
-
-
-def ray_placeable_outside(bundle: Mapping[str, float], excluded: Iterable[str]) -> int:
-    """:func:`placeable_outside` with the cluster's free resources now."""
-    import ray
-
-    return placeable_outside(bundle, excluded, ray._private.state.available_resources_per_node())
-
-
-def placeable_off_draining(scaling: ScalingConfig, watch: DrainWatch) -> int:
-    """Workers shaped like ``scaling``'s that fit now, not counting the nodes ``watch`` saw draining.
-
-    Ray schedules nothing new on a draining node, but still counts its free
-    resources as available: a restarted group sized by them would wait for room
-    that never comes.
-    """
-    if not watch.draining:
-        return placeable_workers(scaling)
-    return ray_placeable_outside(scaling.worker_bundle(), watch.draining)
-
-
-def ask_workers(
-    group: WorkerGroup, request: dict[str, Any], timeout_s: float = 10.0
-) -> list[dict[str, Any] | None]:
-    """Send ``request`` to every worker's stop handler (monitor channel); replies in rank order.
-
-    A worker that does not answer within ``timeout_s`` (or whose call failed) yields None.
-    """
-    refs = [group.monitor_single_async(r, "stop_request", request) for r in range(len(group))]
-    replies: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(replies) < len(refs) and time.monotonic() < deadline:
-        for rank, ref in enumerate(refs):
-            if rank not in replies:
-                done, value = group.poll(ref)
-                if done:
-                    replies[rank] = value
-        if len(replies) < len(refs):
-            time.sleep(0.002)
-    return [r if isinstance(r := replies.get(rank), dict) else None for rank in range(len(refs))]
-
-
-def preemption_limit(max_preemptions: int | None) -> str:
-    """``max_preemptions`` for a log line: the number, or ``unlimited``."""
-    return "unlimited" if max_preemptions is None else str(max_preemptions)

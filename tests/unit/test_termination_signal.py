@@ -7,7 +7,7 @@ import signal
 import threading
 
 from polytrain.errors import PolytrainError, PreemptedError
-from polytrain.trainer_api.policies.preemption import TerminationWatch
+from polytrain.runs.watch.termination import TerminationWatch
 
 
 def test_sigterm_sets_the_flag_and_the_previous_handler_comes_back():

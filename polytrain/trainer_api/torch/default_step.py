@@ -1,4 +1,4 @@
-"""Batches, losses and token counts of the default training step (worker side).
+"""The default training step of the creator API (worker side): batches, losses, token counts, the step.
 
 The default :class:`~polytrain.trainer_api.torch.operator.TrainingOperator` step takes
 ``(features..., target)`` tuples and, for real models, mapping batches

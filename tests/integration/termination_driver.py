@@ -1,9 +1,9 @@
 """A driver process for the preemption test: train EPOCHS epochs with mid-epoch checkpoints, resuming if it can.
 
-Usage: python preempt_driver.py RAY_ADDRESS CHECKPOINT_DIR EPOCHS OUT_FILE BATCH_LOG
+Usage: python termination_driver.py RAY_ADDRESS CHECKPOINT_DIR EPOCHS OUT_FILE BATCH_LOG
 
 Rank 0 appends ``epoch batch`` to BATCH_LOG for every batch it trains. SIGTERM
-makes ``train()`` checkpoint at the next boundary and raise PreemptedError; this
+makes ``train()`` checkpoint at the next boundary and raise TerminatedError; this
 script then prints ``preempted at E S PATH`` and exits with its ``exit_code``
 (143). A second run of the same command resumes (``resume=True``) and writes the
 consolidated final state to OUT_FILE.
@@ -21,7 +21,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from polytrain import TorchTrainer, TrainingOperator  # noqa: E402
-from polytrain.errors import PreemptedError  # noqa: E402
+from polytrain.errors import TerminatedError  # noqa: E402
 from tests.integration.test_exact_resume import _data, _model  # noqa: E402
 
 
@@ -54,15 +54,16 @@ def main() -> int:
             "resume": True,
         },
     )
-    print(f"start {trainer.epoch} {trainer._epoch_step}", flush=True)
+    print(f"start {trainer.epoch} {trainer.position.epoch_step}", flush=True)
     try:
         while trainer.epoch < int(epochs):
             trainer.train()
         trainer.save(out)
-    except PreemptedError as exc:
-        print(f"PreemptedError: {exc}", file=sys.stderr, flush=True)
+    except TerminatedError as exc:
+        print(f"TerminatedError: {exc}", file=sys.stderr, flush=True)
         print(
-            f"preempted at {trainer.epoch} {trainer._epoch_step} {exc.checkpoint_path}", flush=True
+            f"preempted at {trainer.epoch} {trainer.position.epoch_step} {exc.checkpoint_path}",
+            flush=True,
         )
         return exc.exit_code
     finally:

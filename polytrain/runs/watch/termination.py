@@ -1,13 +1,15 @@
-"""A preempted driver: SIGTERM during ``train()`` becomes a checkpoint at the next boundary.
+"""The driver's termination signal: SIGTERM during ``train()`` becomes a checkpoint at the next boundary.
 
 Slurm (``--signal=B:TERM@60``), Kubernetes (a pod eviction) and most schedulers send
-SIGTERM some time before they kill a job. While a trainer with a ``checkpoint_dir``
-runs ``train()`` in the main thread, :class:`TerminationWatch` replaces the SIGTERM
-handler with one that only sets a flag; the trainer loop reads the flag where a
-worker call ends (a step boundary, every ``every_n_steps`` batches with mid-epoch
-checkpoints, else the epoch end), has the workers write a checkpoint there and
-raises :class:`~polytrain.errors.PreemptedError`. The previous handler is back as
-soon as the call returns, so outside ``train()`` a SIGTERM acts as it did before.
+SIGTERM some time before they kill a job; polytrain calls it the **termination
+signal** (apart from a *drain*, Ray's announced loss of a worker node). While a
+trainer with a ``checkpoint_dir`` runs ``train()`` in the main thread,
+:class:`TerminationWatch` replaces the SIGTERM handler with one that only sets a
+flag; the run loop reads the flag where a worker call ends (a step boundary, every
+``every_n_steps`` batches with mid-epoch checkpoints, else the epoch end), has the
+workers write a checkpoint there and raises :class:`~polytrain.errors.TerminatedError`.
+The previous handler is back as soon as the call returns, so outside ``train()`` a
+SIGTERM acts as it did before.
 """
 
 from __future__ import annotations

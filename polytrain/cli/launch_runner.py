@@ -14,7 +14,8 @@ workers' monitor channel, prefixed ``[rankN]:`` (``TORCHELASTIC_LOG_LINE_PREFIX_
 changes it, as for ``torchrun``). The first rank that exits non-zero tears
 the group down; the run is restarted up to ``max_restarts`` times, as ``torchrun
 --max-restarts`` does, and then fails with that rank's exit code. The children
-die with their actor (``PR_SET_PDEATHSIG``), so Ctrl-C stops every rank.
+die with their actor (``PR_SET_PDEATHSIG``), so Ctrl-C stops every rank. The
+attempts run on the run loop (:mod:`polytrain.runs.loop`), like every front end.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from polytrain.backends.core.backend import Backend
+from polytrain.backends.core.context import WorkerContext
 from polytrain.backends.core.launch_env import LaunchAttempt, LauncherEnv
 from polytrain.backends.registry import get_launcher_env_class
 from polytrain.errors import ConfigError, PolytrainError, WorkerError
@@ -38,7 +41,9 @@ from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.network import socket_ifname_env
 from polytrain.launchers.scaling import ScalingConfig
 from polytrain.launchers.worker import emit_output
-from polytrain.trainer_api.trainer import BaseTrainer
+from polytrain.runs.loop import RunLoop
+from polytrain.runs.policies.failure import FailurePolicy
+from polytrain.runs.workload import Workload
 
 _EXIT = re.compile(r"exited with code (-?\d+)")
 
@@ -175,23 +180,32 @@ class OutputPrinter:
         self._pending = {}
 
 
-class _ScriptRunner(BaseTrainer):
-    """A worker group that runs one launch attempt."""
+class _ScriptWorkload(Workload):
+    """``polytrain launch`` on the run loop: every attempt runs the script once on every rank."""
+
+    #: A failed rank's siblings may sit in a collective with children of their own: kill them.
+    kill_failed_groups = True
 
     def __init__(
         self,
         command: list[str],
         scaling: ScalingConfig,
         launcher: LauncherEnv,
-        attempt: LaunchAttempt,
+        run_id: str,
+        max_restarts: int,
     ) -> None:
-        self.command, self.launcher, self.attempt = command, launcher, attempt
-        super().__init__(
-            backend=Backend(), scaling_config=scaling, failure_config={"max_retries": 0}
-        )
-        self._start()
+        self.command, self.scaling, self.launcher = command, scaling, launcher
+        self.attempt = LaunchAttempt(0, max_restarts, run_id)
+        self.script_run: ScriptRun | None = None
+        self.printer: OutputPrinter | None = None
 
-    def _setup_workers(self, group: WorkerGroup) -> None:
+    def context(self, world_size: int) -> WorkerContext:
+        """Run loop: the ranks' context (the script connects them itself)."""
+        return WorkerContext.from_scaling(self.scaling, world_size=world_size)
+
+    def setup_workers(self, group: WorkerGroup) -> None:
+        """Run loop: every rank's launcher environment for this attempt, and its output printer."""
+        self.launcher.stop()  # the previous attempt's rendezvous server, if any
         envs = self.launcher.envs(group, self.attempt)
         threads = str(max(1, int(self.scaling.num_cpus_per_worker)))
         for env in envs:
@@ -204,34 +218,26 @@ class _ScriptRunner(BaseTrainer):
             node_ips=[meta.node_ip for meta in group.metadata],
             use_gpu=bool(self.scaling.num_gpus_per_worker),
         )
-        self.prefixes = line_prefixes(
-            group, os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
-        )
+        prefixes = line_prefixes(group, os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"))
+        self.printer = OutputPrinter(group, prefixes)
 
-    def _worker_state(self) -> dict[str, Any]:
-        raise ConfigError("polytrain launch holds no state.")
+    def pollers(self) -> list[Callable[[], None]]:
+        """Run loop: print the ranks' lines while the script runs."""
+        return [self.printer.poll] if self.printer is not None else []
 
-    def _load_worker_state(self, state: dict[str, Any]) -> None:
-        raise ConfigError("polytrain launch holds no state.")
+    def after_failed_call(self, error: BaseException) -> None:
+        """Run loop: the failing rank's last lines (its traceback), then say what happens next."""
+        if isinstance(error, KeyboardInterrupt):
+            return
+        if self.printer is not None:
+            self.printer.drain()
+        if isinstance(error, WorkerError):
+            _report(error, exit_code(error), self.attempt.restart, self.attempt.max_restarts)
 
-    def run(self) -> None:
-        """Run the script on every rank, printing their output; tear down at the first failure."""
-        group = self._group
-        printer = OutputPrinter(group, self.prefixes)
-        try:
-            group.get(
-                group.execute_async(run_script, self.script_run),
-                on_poll=printer.poll,
-                poll_interval_s=0.1,
-            )
-        except KeyboardInterrupt:
-            self._teardown_group(force=True)
-            raise
-        except BaseException:
-            printer.drain()  # the failing rank's last lines: its traceback
-            self._teardown_group(force=True)
-            raise
-        printer.drain()
+    def before_restart(self, planned: bool) -> None:
+        """Run loop: the next attempt (``TORCHELASTIC_RESTART_COUNT`` and friends)."""
+        attempt = self.attempt
+        self.attempt = LaunchAttempt(attempt.restart + 1, attempt.max_restarts, attempt.run_id)
 
 
 def exit_code(error: BaseException) -> int:
@@ -260,23 +266,17 @@ def _report(error: WorkerError, code: int, restart: int, max_restarts: int) -> N
     print(what, file=sys.stderr, flush=True)
 
 
-def _attempt(
-    command: list[str], scaling: ScalingConfig, launcher: LauncherEnv, attempt: LaunchAttempt
-) -> int:
-    """One launch attempt: 0, or the exit code of the first failing rank."""
-    runner = None
-    try:
-        runner = _ScriptRunner(command, scaling, launcher, attempt)
-        runner.run()
-        return 0
-    except WorkerError as error:
-        code = exit_code(error)
-        _report(error, code, attempt.restart, attempt.max_restarts)
-        return code
-    finally:
-        if runner is not None:
-            runner.shutdown()
-        launcher.stop()
+def _script_loop(workload: _ScriptWorkload, scaling: ScalingConfig, max_restarts: int) -> RunLoop:
+    return RunLoop(
+        workload,
+        Backend(),  # no rendezvous: the script connects its ranks itself
+        scaling,
+        # Any failed rank restarts every rank, as torchrun --max-restarts does.
+        failure_policy=FailurePolicy(
+            max_restarts, retryable=(WorkerError,), option="--max-restarts"
+        ),
+        watch_drains=False,  # a script stops at no agreed step: a drained node is a lost rank
+    )
 
 
 def launch(
@@ -324,10 +324,16 @@ def launch(
         address=address,
     )
     command = [sys.executable, "-u", os.path.abspath(script), *(args or [])]
-    run_id = uuid.uuid4().hex[:12]
-    for restart in range(max_restarts + 1):
-        attempt = LaunchAttempt(restart, max_restarts, run_id)
-        code = _attempt(command, scaling, env_class(local_rank_arg=local_rank_arg), attempt)
-        if code == 0 or restart == max_restarts:
-            return code
-    return 1  # pragma: no cover - the loop returns
+    launcher = env_class(local_rank_arg=local_rank_arg)
+    workload = _ScriptWorkload(command, scaling, launcher, uuid.uuid4().hex[:12], max_restarts)
+    loop = _script_loop(workload, scaling, max_restarts)
+    try:
+        loop.start()  # the first attempt's environments exist once its group does
+        loop.call(run_script, args_fn=lambda: (workload.script_run,))
+        workload.printer.drain()
+        return 0
+    except WorkerError as error:
+        return exit_code(error)
+    finally:
+        loop.close()
+        launcher.stop()
