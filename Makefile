@@ -23,11 +23,11 @@ unit:             ## the fast unit tests only (no Ray)
 demo: setup       ## the main job: train the digits example on every installed backend and compare
 	$(PY) -m polytrain compare -c examples/configs/digits_both.yaml --epochs 5 --out polytrain_runs/demo
 
-bench: setup      ## side-by-side benchmarks against the native launchers; rewrites benchmarks/RESULTS.md
-	$(PY) benchmarks/run.py
+bench: setup      ## side-by-side benchmarks against the native launchers; rewrites benchmarks/RESULTS.md (benchmarks/run.py --help: every suite)
+	$(PY) benchmarks/run.py sidebyside
 
 chaos: setup      ## the chaos run: 20 seeded faults per backend (5 torch backends + TFTrainer) on a simulated cluster; figures into RELIABILITY.md
-	PYTHONPATH=. $(PY) benchmarks/chaos.py --faults 20 --seed 0 --out benchmarks/out/chaos --update-reliability RELIABILITY.md
+	$(PY) benchmarks/run.py chaos --faults 20 --seed 0 --out benchmarks/out/chaos --update-reliability RELIABILITY.md
 
 docs: setup       ## build the documentation site into site/ (mkdocs build --strict)
 	$(PY) -m mkdocs build --strict --site-dir site

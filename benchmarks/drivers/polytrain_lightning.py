@@ -33,8 +33,8 @@ from typing import Any  # noqa: E402
 import pytorch_lightning as pl  # noqa: E402
 
 import polytrain.lightning  # noqa: E402
-from benchmarks import workload  # noqa: E402
 from benchmarks.native.lightning_native import WorkloadModule, trainer_options  # noqa: E402
+from benchmarks.workloads import mlp  # noqa: E402
 
 #: ``--strategy`` value: (polytrain.lightning class name, the backend it fixes).
 STRATEGIES = {
@@ -61,7 +61,7 @@ def missing_library(name: str) -> str | None:
     return None
 
 
-def make_strategy(name: str, num_workers: int = workload.NUM_WORKERS) -> Any:
+def make_strategy(name: str, num_workers: int = mlp.NUM_WORKERS) -> Any:
     """The polytrain strategy of ``--strategy name`` on ``num_workers`` Ray actors (1 CPU each)."""
     cls = getattr(polytrain.lightning, STRATEGIES[name][0])
     return cls(num_workers=num_workers, num_cpus_per_worker=1)
@@ -78,7 +78,7 @@ def main() -> int:
     if reason is not None:
         print(f"skipped: {reason}", file=sys.stderr, flush=True)
         return SKIPPED
-    spec = workload.WorkloadSpec.from_json(args.spec)
+    spec = mlp.WorkloadSpec.from_json(args.spec)
     marks = {"script_start": _START, "imported": time.time()}
     from polytrain.launchers.cluster.connect import ensure_ray
 

@@ -23,18 +23,18 @@ from typing import Any  # noqa: E402
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
-from benchmarks import workload  # noqa: E402
+from benchmarks.workloads import mlp, recorder  # noqa: E402
 from polytrain import TFTrainer  # noqa: E402
 
 
 def model_creator(config: dict[str, Any]) -> Any:
     """TFTrainer ``model_creator``."""
-    return workload.tf_build_model(workload.spec_from_config(config))
+    return mlp.tf_build_model(mlp.spec_from_config(config))
 
 
 def data_creator(config: dict[str, Any]) -> Any:
     """TFTrainer ``data_creator``: batched with the global batch."""
-    return workload.tf_dataset(workload.spec_from_config(config))
+    return mlp.tf_dataset(mlp.spec_from_config(config))
 
 
 def _install_step_hook() -> None:
@@ -46,7 +46,7 @@ def _install_step_hook() -> None:
     def report_progress(step: int, total: Any = None, phase: str = "train", **kw: Any) -> None:
         now = time.perf_counter()
         if phase == "train" and step > 0:
-            workload.RECORDER.record(last[0], now)
+            recorder.RECORDER.record(last[0], now)
         last[0] = now
         original(step, total, phase=phase, **kw)
 
@@ -54,14 +54,14 @@ def _install_step_hook() -> None:
 
 
 def _restart_steps() -> None:
-    workload.RECORDER.restart_steps()
+    recorder.RECORDER.restart_steps()
 
 
 def _summary(rank_holder: Any = None) -> dict[str, Any]:
     import json as _json
 
     index = _json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-    return workload.RECORDER.summary(index)
+    return recorder.RECORDER.summary(index)
 
 
 def main() -> None:
@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--spec", required=True)
     parser.add_argument("--result-dir", required=True)
     args = parser.parse_args()
-    spec = workload.WorkloadSpec.from_json(args.spec)
+    spec = mlp.WorkloadSpec.from_json(args.spec)
     marks = {"script_start": _START, "imported": time.time()}
     from polytrain.launchers.worker_group import ensure_ray
 
@@ -79,15 +79,15 @@ def main() -> None:
     trainer = TFTrainer(
         model_creator=model_creator,
         data_creator=data_creator,
-        config={"batch_size": workload.GLOBAL_BATCH, "spec": spec.to_json()},
-        num_workers=workload.NUM_WORKERS,
+        config={"batch_size": mlp.GLOBAL_BATCH, "spec": spec.to_json()},
+        num_workers=mlp.NUM_WORKERS,
         num_cpus_per_worker=1,
     )
     marks["trainer_ready"] = time.time()
     trainer.apply_all_workers(_install_step_hook)
     # One train() call per epoch, as a user runs TFTrainer; the steps of the last
-    # epoch are the steady state the native script also reports (workload.TF_EPOCHS).
-    for epoch in range(workload.TF_EPOCHS):
+    # epoch are the steady state the native script also reports (mlp.TF_EPOCHS).
+    for epoch in range(mlp.TF_EPOCHS):
         if epoch > 0:
             trainer.apply_all_workers(_restart_steps)
         stats = trainer.train(num_steps=spec.steps)

@@ -24,8 +24,8 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks import lm_workload, workload  # noqa: E402
 from benchmarks.native.task import load_task  # noqa: E402
+from benchmarks.workloads import gpt2, mlp, recorder  # noqa: E402
 from polytrain import TorchTrainer  # noqa: E402
 from polytrain.launchers.worker import STARTUP  # noqa: E402
 from polytrain.trainer_api.torch.operator import TrainingOperator  # noqa: E402
@@ -36,15 +36,15 @@ class TimedOperator(TrainingOperator):
 
     def train_batch(self, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
         """Run the default step and record its duration (the first marks the set-up's end)."""
-        workload.RECORDER.setup_done()  # no-op after the first call
+        recorder.RECORDER.setup_done()  # no-op after the first call
         start = time.perf_counter()
         metrics = super().train_batch(batch, batch_info)
-        workload.RECORDER.record(start, time.perf_counter())
+        recorder.RECORDER.record(start, time.perf_counter())
         return metrics
 
 
 def _summary(operator: TrainingOperator) -> dict[str, Any]:
-    return workload.RECORDER.summary(operator.world_rank)
+    return recorder.RECORDER.summary(operator.world_rank)
 
 
 class PhaseTrainer(TorchTrainer):
@@ -80,17 +80,17 @@ def phase_marks(trainer: TorchTrainer) -> dict[str, Any]:
 def make_trainer(
     backend: str,
     backend_config: Any,
-    spec: workload.WorkloadSpec | lm_workload.LMSpec,
-    num_workers: int = workload.NUM_WORKERS,
+    spec: mlp.WorkloadSpec | gpt2.LMSpec,
+    num_workers: int = mlp.NUM_WORKERS,
 ) -> TorchTrainer:
     """The benchmark's trainer (timed operator, phase marks) on ``backend``.
 
     The GPT-2 workload (an :class:`LMSpec`) has no ``loss_creator``: the default step
     takes the model's own loss from its mapping batches, as a user's LM run does.
     """
-    lm = isinstance(spec, lm_workload.LMSpec)
-    module: Any = lm_workload if lm else workload
-    batch = spec.batch * num_workers if lm else workload.GLOBAL_BATCH
+    lm = isinstance(spec, gpt2.LMSpec)
+    module: Any = gpt2 if lm else mlp
+    batch = spec.batch * num_workers if lm else mlp.GLOBAL_BATCH
     return PhaseTrainer(
         model_creator=module.pt_model_creator,
         data_creator=module.pt_data_creator,

@@ -34,24 +34,24 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from benchmarks import workload  # noqa: E402
 from benchmarks.drivers.polytrain_torch import (  # noqa: E402
     TimedOperator,
     make_trainer,
     phase_marks,
 )
+from benchmarks.workloads import mlp, recorder  # noqa: E402
 
 TORCH_BACKENDS = ("ddp", "horovod", "fairscale", "fsdp", "deepspeed")
 _BACKEND_CONFIGS = {"deepspeed": {"stage": 2}, "fairscale": {"mode": "sddp"}}
 
 
 def _first_step(trainer: Any) -> float:
-    summaries = trainer.apply_all_operators(lambda op: workload.RECORDER.summary(op.world_rank))
+    summaries = trainer.apply_all_operators(lambda op: recorder.RECORDER.summary(op.world_rank))
     return max(s["marks"]["first_step"] for s in summaries)
 
 
 def _start_and_step(
-    backend: str, spec: workload.WorkloadSpec, prefix: str, num_workers: int = workload.NUM_WORKERS
+    backend: str, spec: mlp.WorkloadSpec, prefix: str, num_workers: int = mlp.NUM_WORKERS
 ) -> dict[str, Any]:
     """Build a trainer, train ``spec.steps`` steps; its start-up phases as seconds from the call."""
     t0 = time.time()
@@ -75,7 +75,7 @@ def _start_and_step(
     return {"metrics": out, "pids": pids}
 
 
-def scenario_second(args: argparse.Namespace, spec: workload.WorkloadSpec) -> dict[str, Any]:
+def scenario_second(args: argparse.Namespace, spec: mlp.WorkloadSpec) -> dict[str, Any]:
     """A cold trainer, then two more of the same shape in the same process."""
     from polytrain.launchers.cluster.connect import ensure_ray
 
@@ -88,7 +88,7 @@ def scenario_second(args: argparse.Namespace, spec: workload.WorkloadSpec) -> di
     return metrics
 
 
-def scenario_resize(args: argparse.Namespace, spec: workload.WorkloadSpec) -> dict[str, Any]:
+def scenario_resize(args: argparse.Namespace, spec: mlp.WorkloadSpec) -> dict[str, Any]:
     """Another world size on warm workers: 1 cold worker, grown to 2, then 1 of those 2 again."""
     from polytrain.launchers.cluster.connect import ensure_ray
 
@@ -123,7 +123,7 @@ def _lightning_marks_callback(result_dir: str) -> Any:
     return FirstBatch()
 
 
-def scenario_lightning(args: argparse.Namespace, spec: workload.WorkloadSpec) -> dict[str, Any]:
+def scenario_lightning(args: argparse.Namespace, spec: mlp.WorkloadSpec) -> dict[str, Any]:
     """``fit`` then ``test`` on RayStrategy: each call's overhead before its first batch."""
     import pytorch_lightning as pl
 
@@ -133,7 +133,7 @@ def scenario_lightning(args: argparse.Namespace, spec: workload.WorkloadSpec) ->
 
     ensure_ray()
     trainer = pl.Trainer(
-        strategy=RayStrategy(num_workers=workload.NUM_WORKERS, backend=args.backend),
+        strategy=RayStrategy(num_workers=mlp.NUM_WORKERS, backend=args.backend),
         max_steps=spec.steps,
         limit_val_batches=0,
         enable_progress_bar=False,
@@ -159,7 +159,7 @@ def scenario_lightning(args: argparse.Namespace, spec: workload.WorkloadSpec) ->
 
 
 # -------------------------------------------------------------------- compare
-def scenario_compare(args: argparse.Namespace, spec: workload.WorkloadSpec) -> dict[str, Any]:
+def scenario_compare(args: argparse.Namespace, spec: mlp.WorkloadSpec) -> dict[str, Any]:
     """compare_backends over the installed torch backends: overhead per backend."""
     import torch
 
@@ -183,12 +183,12 @@ def scenario_compare(args: argparse.Namespace, spec: workload.WorkloadSpec) -> d
     ensure_ray()
     names = [b for b in TORCH_BACKENDS if get_spec(b).installed]
     creators = {
-        "model_creator": workload.pt_model_creator,
-        "data_creator": workload.pt_data_creator,
-        "optimizer_creator": workload.pt_optimizer_creator,
+        "model_creator": mlp.pt_model_creator,
+        "data_creator": mlp.pt_data_creator,
+        "optimizer_creator": mlp.pt_optimizer_creator,
         "loss_creator": torch.nn.CrossEntropyLoss,
-        "config": {"batch_size": workload.GLOBAL_BATCH, "spec": spec.to_json()},
-        "num_workers": workload.NUM_WORKERS,
+        "config": {"batch_size": mlp.GLOBAL_BATCH, "spec": spec.to_json()},
+        "num_workers": mlp.NUM_WORKERS,
         "num_cpus_per_worker": 1,
     }
     with tempfile.TemporaryDirectory() as out_dir:
@@ -212,7 +212,7 @@ def scenario_compare(args: argparse.Namespace, spec: workload.WorkloadSpec) -> d
 
 
 # ----------------------------------------------------------------------- tune
-def scenario_tune(args: argparse.Namespace, spec: workload.WorkloadSpec) -> dict[str, Any]:
+def scenario_tune(args: argparse.Namespace, spec: mlp.WorkloadSpec) -> dict[str, Any]:
     """Three sequential trials: each one's start-up, and whether it kept the last one's workers."""
     import ray
     import torch
@@ -223,13 +223,13 @@ def scenario_tune(args: argparse.Namespace, spec: workload.WorkloadSpec) -> dict
     # Logical CPUs: a trial holds 1 for the trainable and 1 per worker.
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")
     trainable = TorchTrainer.as_trainable(
-        model_creator=workload.pt_model_creator,
-        data_creator=workload.pt_data_creator,
-        optimizer_creator=workload.pt_optimizer_creator,
+        model_creator=mlp.pt_model_creator,
+        data_creator=mlp.pt_data_creator,
+        optimizer_creator=mlp.pt_optimizer_creator,
         loss_creator=torch.nn.CrossEntropyLoss,
         training_operator_cls=PidOperator,
-        config={"batch_size": workload.GLOBAL_BATCH, "spec": spec.to_json()},
-        num_workers=workload.NUM_WORKERS,
+        config={"batch_size": mlp.GLOBAL_BATCH, "spec": spec.to_json()},
+        num_workers=mlp.NUM_WORKERS,
         num_epochs=1,
         num_steps=spec.steps,
         validate=False,
@@ -285,7 +285,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.pool == "off":
         os.environ["POLYTRAIN_WARM_POOL"] = "0"
-    spec = workload.WorkloadSpec.from_json(args.spec)
+    spec = mlp.WorkloadSpec.from_json(args.spec)
     metrics = SCENARIOS[args.scenario](args, spec)
     driver = {"marks": {"script_start": _START, "done": time.time()}, "metrics": metrics}
     (Path(args.result_dir) / "driver.json").write_text(json.dumps(driver))

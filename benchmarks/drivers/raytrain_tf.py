@@ -21,35 +21,35 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # inherited by Ray's workers
 
 import ray  # noqa: E402
 
-from benchmarks import workload  # noqa: E402
+from benchmarks.workloads import mlp, recorder  # noqa: E402
 
 
 def train_loop(config: dict[str, Any]) -> None:
     """Ray Train's ``train_loop_per_worker``: the native MWMS loop."""
     import tensorflow as tf
 
-    rec = workload.RECORDER
+    rec = recorder.RECORDER
     rec.mark("loop_start")
-    spec = workload.WorkloadSpec.from_json(config["spec"])
+    spec = mlp.WorkloadSpec.from_json(config["spec"])
     rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(2)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     with strategy.scope():
-        model = workload.tf_build_model(spec)
+        model = mlp.tf_build_model(spec)
     model.distribute_reduction_method = "first"
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    dataset = workload.tf_dataset(spec).with_options(options)
+    dataset = mlp.tf_dataset(spec).with_options(options)
     rec.mark("wrapped")
     model.fit(
         dataset,
-        epochs=workload.TF_EPOCHS,
+        epochs=mlp.TF_EPOCHS,
         steps_per_epoch=spec.steps,
         verbose=0,
-        callbacks=[workload.tf_timing_callback()],
+        callbacks=[mlp.tf_timing_callback()],
     )
-    workload.write_summary(config["result_dir"], rank)
+    recorder.write_summary(config["result_dir"], rank)
 
 
 def main() -> None:
@@ -67,7 +67,7 @@ def main() -> None:
     trainer = TensorflowTrainer(
         train_loop,
         train_loop_config={"spec": args.spec, "result_dir": args.result_dir},
-        scaling_config=ScalingConfig(num_workers=workload.NUM_WORKERS),
+        scaling_config=ScalingConfig(num_workers=mlp.NUM_WORKERS),
         run_config=RunConfig(storage_path=str(Path(args.result_dir) / "ray_results")),
     )
     trainer.fit()

@@ -20,7 +20,7 @@ from typing import Any  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks import workload  # noqa: E402
+from benchmarks.workloads import mlp, recorder  # noqa: E402
 
 
 def train_loop(config: dict[str, Any]) -> None:
@@ -28,16 +28,16 @@ def train_loop(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    rec = workload.RECORDER
+    rec = recorder.RECORDER
     rec.mark("loop_start")
-    spec = workload.WorkloadSpec.from_json(config["spec"])
+    spec = mlp.WorkloadSpec.from_json(config["spec"])
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    model = ray.train.torch.prepare_model(workload.build_model(spec))
-    optimizer = workload.make_optimizer(model, spec)
+    model = ray.train.torch.prepare_model(mlp.build_model(spec))
+    optimizer = mlp.make_optimizer(model, spec)
     criterion = torch.nn.CrossEntropyLoss()
-    loader = workload.make_loader(spec, rank, world)
+    loader = mlp.make_loader(spec, rank, world)
     rec.mark("wrapped")
 
     def step(features: torch.Tensor, target: torch.Tensor) -> None:
@@ -48,8 +48,8 @@ def train_loop(config: dict[str, Any]) -> None:
         loss.item()
 
     model.train()
-    workload.run_steps(loader, step, spec.steps)
-    workload.write_summary(config["result_dir"], rank)
+    mlp.run_steps(loader, step, spec.steps)
+    recorder.write_summary(config["result_dir"], rank)
 
 
 def main() -> None:
@@ -67,7 +67,7 @@ def main() -> None:
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"spec": args.spec, "result_dir": args.result_dir},
-        scaling_config=ScalingConfig(num_workers=workload.NUM_WORKERS),
+        scaling_config=ScalingConfig(num_workers=mlp.NUM_WORKERS),
         run_config=RunConfig(storage_path=str(Path(args.result_dir) / "ray_results")),
     )
     trainer.fit()

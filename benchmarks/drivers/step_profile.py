@@ -15,12 +15,16 @@ The native side builds what the native benchmark script of the backend builds
 that backend (DeepSpeed: ``{"stage": 2}``; fairscale and fsdp: the default
 ``backend_config``, i.e. "sddp" and FSDP2) whose operator runs its default step.
 
-Usage::
+Usage (``benchmarks/run.py step-profile`` starts it under torchrun for ``--mode native``)::
 
-    torchrun --nproc_per_node=2 benchmarks/drivers/step_profile.py --mode native \
+    python benchmarks/run.py step-profile --mode native \
         [--backend deepspeed|fairscale|fsdp] --result-dir DIR
-    python benchmarks/drivers/step_profile.py --mode polytrain \
+    python benchmarks/run.py step-profile --mode polytrain \
         [--backend deepspeed|fairscale|fsdp] --result-dir DIR
+
+which run ``torchrun --nproc_per_node=2 benchmarks/drivers/step_profile.py --mode native
+...`` and ``python benchmarks/drivers/step_profile.py --mode polytrain ...`` (with this
+repository on ``PYTHONPATH``).
 
 Each rank writes ``DIR/<mode><rank>.json`` (numbers, the backend, the 1-minute load
 average before and after the timed steps, and per-function call counts) and
@@ -54,7 +58,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import workload
+from benchmarks.workloads import mlp
 
 STEPS, WARMUP, PROFILED = 250, 50, 100
 #: ``--ab``: interleaved blocks of this many steps, per side and round.
@@ -151,8 +155,8 @@ def _write(result_dir: str, result: dict[str, Any]) -> None:
     (out / f"{result['tag']}.json").write_text(json.dumps(result))
 
 
-def _spec() -> workload.WorkloadSpec:
-    return workload.WorkloadSpec(steps=WARMUP + STEPS + PROFILED + 5, warmup=0)
+def _spec() -> mlp.WorkloadSpec:
+    return mlp.WorkloadSpec(steps=WARMUP + STEPS + PROFILED + 5, warmup=0)
 
 
 def run_native(result_dir: str, backend: str = "deepspeed") -> None:
@@ -165,7 +169,7 @@ def run_native(result_dir: str, backend: str = "deepspeed") -> None:
         "fsdp": _native_fsdp,
     }[backend]()
     rank, world = dist.get_rank(), dist.get_world_size()
-    batches = itertools.cycle(list(workload.make_loader(_spec(), rank, world)))
+    batches = itertools.cycle(list(mlp.make_loader(_spec(), rank, world)))
     result = profile(step, batches, f"native{rank}")
     _write(result_dir, {**result, "backend": backend})
     dist.destroy_process_group()
@@ -180,14 +184,14 @@ def _native_deepspeed() -> Callable[[Any, Any], None]:
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
     spec = _spec()
-    module = workload.build_model(spec)
+    module = mlp.build_model(spec)
     config = {
-        "train_batch_size": workload.GLOBAL_BATCH,
-        "train_micro_batch_size_per_gpu": workload.GLOBAL_BATCH // world,
+        "train_batch_size": mlp.GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": mlp.GLOBAL_BATCH // world,
         **DS_CONFIG,
     }
     engine, _, _, _ = deepspeed.initialize(
-        model=module, optimizer=workload.make_optimizer(module, spec), config=config
+        model=module, optimizer=mlp.make_optimizer(module, spec), config=config
     )
     criterion = torch.nn.CrossEntropyLoss()
 
@@ -352,12 +356,12 @@ def run_polytrain(result_dir: str, backend: str = "deepspeed", ab: bool = False)
 
     spec = _spec()
     trainer = TorchTrainer(
-        model_creator=workload.pt_model_creator,
-        data_creator=workload.pt_data_creator,
-        optimizer_creator=workload.pt_optimizer_creator,
+        model_creator=mlp.pt_model_creator,
+        data_creator=mlp.pt_data_creator,
+        optimizer_creator=mlp.pt_optimizer_creator,
         loss_creator=torch.nn.CrossEntropyLoss,
-        config={"batch_size": workload.GLOBAL_BATCH, "spec": spec.to_json()},
-        num_workers=workload.NUM_WORKERS,
+        config={"batch_size": mlp.GLOBAL_BATCH, "spec": spec.to_json()},
+        num_workers=mlp.NUM_WORKERS,
         num_cpus_per_worker=1,
         backend=backend,
         backend_config=POLYTRAIN_CONFIGS[backend],

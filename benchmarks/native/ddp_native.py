@@ -16,8 +16,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-from benchmarks import workload  # noqa: E402
 from benchmarks.native.task import load_task  # noqa: E402
+from benchmarks.workloads import recorder  # noqa: E402
 
 
 def main() -> None:
@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--spec", required=True)
     parser.add_argument("--result-dir", required=True)
     args = parser.parse_args()
-    rec = workload.RECORDER
+    rec = recorder.RECORDER
     rec.marks["script_start"] = _START
     rec.mark("imported")
     task = load_task(args.spec)
@@ -48,7 +48,7 @@ def main() -> None:
 
     model.train()
     task.run(loader, step)
-    workload.write_summary(args.result_dir, rank, {"local_rank": os.environ.get("LOCAL_RANK")})
+    recorder.write_summary(args.result_dir, rank, {"local_rank": os.environ.get("LOCAL_RANK")})
     dist.destroy_process_group()
 
 

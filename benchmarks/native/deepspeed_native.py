@@ -19,8 +19,8 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks import workload  # noqa: E402
 from benchmarks.native.task import load_task  # noqa: E402
+from benchmarks.workloads import recorder  # noqa: E402
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--result-dir", required=True)
     parser.add_argument("--stage", type=int, default=2)
     args = parser.parse_args()
-    rec = workload.RECORDER
+    rec = recorder.RECORDER
     rec.marks["script_start"] = _START
     rec.mark("imported")
     task = load_task(args.spec)
@@ -61,7 +61,7 @@ def main() -> None:
 
     engine.train()
     task.run(loader, step)
-    workload.write_summary(args.result_dir, rank)
+    recorder.write_summary(args.result_dir, rank)
     dist.destroy_process_group()
 
 

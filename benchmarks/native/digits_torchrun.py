@@ -4,7 +4,7 @@ The same creators (``examples.digits``), DDP on gloo, one epoch with a Distribut
 the model prints the wall-clock time of its first forward on each rank
 (``FIRST_FORWARD <unix time>``), here and under ``polytrain train`` (the config's
 ``model: benchmarks.native.digits_torchrun:timed_model_creator``), so that both launches
-are timed the same way from outside (``benchmarks/cli_launch.py``).
+are timed the same way from outside (``benchmarks/startup/cli_launch.py``).
 
 Usage: torchrun --nproc_per_node=2 benchmarks/native/digits_torchrun.py
 """

@@ -17,8 +17,8 @@ import torch.distributed as dist  # noqa: E402
 from fairscale.nn.data_parallel import ShardedDataParallel  # noqa: E402
 from fairscale.optim import OSS  # noqa: E402
 
-from benchmarks import workload  # noqa: E402
 from benchmarks.native.task import load_task  # noqa: E402
+from benchmarks.workloads import recorder  # noqa: E402
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--spec", required=True)
     parser.add_argument("--result-dir", required=True)
     args = parser.parse_args()
-    rec = workload.RECORDER
+    rec = recorder.RECORDER
     rec.marks["script_start"] = _START
     rec.mark("imported")
     task = load_task(args.spec)
@@ -55,7 +55,7 @@ def main() -> None:
 
     model.train()
     task.run(loader, step)
-    workload.write_summary(args.result_dir, rank)
+    recorder.write_summary(args.result_dir, rank)
     dist.destroy_process_group()
 
 

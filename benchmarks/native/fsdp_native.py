@@ -33,8 +33,8 @@ from torch.distributed.fsdp.wrap import (  # noqa: E402
     size_based_auto_wrap_policy,
 )
 
-from benchmarks import workload  # noqa: E402
 from benchmarks.native.task import load_task  # noqa: E402
+from benchmarks.workloads import recorder  # noqa: E402
 
 MIN_NUM_PARAMS = 100_000
 
@@ -115,7 +115,7 @@ def main() -> None:
         help="FSDP2: ranks > 0 build the model on the meta device (a reference for memory)",
     )
     args = parser.parse_args()
-    rec = workload.RECORDER
+    rec = recorder.RECORDER
     rec.marks["script_start"] = _START
     rec.mark("imported")
     task = load_task(args.spec)
@@ -144,7 +144,7 @@ def main() -> None:
 
     model.train()
     task.run(loader, step)
-    workload.write_summary(args.result_dir, rank)
+    recorder.write_summary(args.result_dir, rank)
     dist.destroy_process_group()
 
 

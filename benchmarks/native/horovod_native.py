@@ -14,8 +14,8 @@ import argparse  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks import workload  # noqa: E402
 from benchmarks.native.task import load_task  # noqa: E402
+from benchmarks.workloads import recorder  # noqa: E402
 
 
 def main() -> None:
@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--spec", required=True)
     parser.add_argument("--result-dir", required=True)
     args = parser.parse_args()
-    rec = workload.RECORDER
+    rec = recorder.RECORDER
     rec.marks["script_start"] = _START
     rec.mark("imported")
     task = load_task(args.spec)
@@ -49,7 +49,7 @@ def main() -> None:
 
     model.train()
     task.run(loader, step)
-    workload.write_summary(args.result_dir, rank)
+    recorder.write_summary(args.result_dir, rank)
     hvd.shutdown()
 
 

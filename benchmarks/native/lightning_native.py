@@ -2,7 +2,7 @@
 
 This module also holds what both sides of that benchmark share: the
 LightningModule (:class:`WorkloadModule`, the MLP workload of
-:mod:`benchmarks.workload`), the timing callback (:class:`StepTimes`) and the
+:mod:`benchmarks.workloads.mlp`), the timing callback (:class:`StepTimes`) and the
 Trainer options (:func:`trainer_options`). ``drivers/polytrain_lightning.py``
 imports them and trains the same module under polytrain's Lightning strategies,
 so only the strategy and the launcher differ between the runs.
@@ -28,7 +28,7 @@ import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks import workload  # noqa: E402
+from benchmarks.workloads import mlp, recorder  # noqa: E402
 
 
 class WorkloadModule(pl.LightningModule):
@@ -47,7 +47,7 @@ class WorkloadModule(pl.LightningModule):
         spec: the workload (steps per worker; the model must be "mlp" or "big").
     """
 
-    def __init__(self, spec: workload.WorkloadSpec) -> None:
+    def __init__(self, spec: mlp.WorkloadSpec) -> None:
         super().__init__()
         self.spec = spec
         self.net: torch.nn.Module | None = None
@@ -58,7 +58,7 @@ class WorkloadModule(pl.LightningModule):
     def configure_model(self) -> None:
         """Build the seeded network once, in the training process."""
         if self.net is None:
-            self.net = workload.build_model(self.spec)
+            self.net = mlp.build_model(self.spec)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """The network's logits."""
@@ -72,7 +72,7 @@ class WorkloadModule(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """The workload's optimizer (Adam, lr 1e-3)."""
-        return workload.make_optimizer(self, self.spec)
+        return mlp.make_optimizer(self, self.spec)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         """Lightning's step (the closure: forward, loss, zero_grad, backward), then its end time."""
@@ -87,14 +87,14 @@ class WorkloadModule(pl.LightningModule):
         polytrain's alike.
         """
         return torch.utils.data.DataLoader(
-            workload.make_dataset(self.spec),
-            batch_size=workload.GLOBAL_BATCH // self.trainer.world_size,
+            mlp.make_dataset(self.spec),
+            batch_size=mlp.GLOBAL_BATCH // self.trainer.world_size,
             drop_last=True,
         )
 
 
 class StepTimes(pl.Callback):
-    """Records every step into :data:`benchmarks.workload.RECORDER` and writes ``rank*.json``.
+    """Records every step into :data:`benchmarks.workloads.recorder.RECORDER` and writes ``rank*.json``.
 
     Step time: ``on_train_batch_start`` to the end of the optimizer step
     (:attr:`WorkloadModule.step_end`). Interval: one ``on_train_batch_end`` to the
@@ -118,17 +118,17 @@ class StepTimes(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Mark that the strategy's environment (the process group) is up."""
-        workload.RECORDER.mark("process_group")
+        recorder.RECORDER.mark("process_group")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Mark that the strategy has wrapped the module and optimizers."""
-        workload.RECORDER.mark("wrapped")
+        recorder.RECORDER.mark("wrapped")
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Start the step's clock (the first call also closes the set-up memory record)."""
-        workload.RECORDER.setup_done()  # no-op after the first call
+        recorder.RECORDER.setup_done()  # no-op after the first call
         self._start = time.perf_counter()
 
     def on_train_batch_end(
@@ -147,7 +147,7 @@ class StepTimes(pl.Callback):
                 f"StepTimes needs a module that records its optimizer step's end "
                 f"(WorkloadModule); got {type(pl_module).__name__}."
             )
-        rec = workload.RECORDER
+        rec = recorder.RECORDER
         rec.step_s.append(step_end[0] - self._start)
         rec.ends.append(batch_end)
         rec.marks.setdefault("first_step", step_end[1])
@@ -158,10 +158,10 @@ class StepTimes(pl.Callback):
             "local_rank": trainer.local_rank,
             "strategy": type(trainer.strategy).__name__,
         }
-        workload.write_summary(self.result_dir, trainer.global_rank, extra)
+        recorder.write_summary(self.result_dir, trainer.global_rank, extra)
 
 
-def trainer_options(spec: workload.WorkloadSpec, result_dir: str) -> dict[str, Any]:
+def trainer_options(spec: mlp.WorkloadSpec, result_dir: str) -> dict[str, Any]:
     """The ``pl.Trainer`` arguments both sides use, except the strategy and devices.
 
     One epoch of ``spec.steps`` batches per rank on CPU; no validation, checkpoints,
@@ -187,10 +187,10 @@ def main() -> None:
     parser.add_argument("--spec", required=True)
     parser.add_argument("--result-dir", required=True)
     args = parser.parse_args()
-    rec = workload.RECORDER
+    rec = recorder.RECORDER
     rec.marks["script_start"] = _START
     rec.mark("imported")
-    spec = workload.WorkloadSpec.from_json(args.spec)
+    spec = mlp.WorkloadSpec.from_json(args.spec)
     torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1 and polytrain's workers
     world = int(os.environ["WORLD_SIZE"])
     trainer = pl.Trainer(

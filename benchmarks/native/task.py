@@ -2,7 +2,7 @@
 
 A native script parses its ``--spec`` with :func:`load_task` and asks the task
 for the model, optimizer, loader and loss; the spec's ``model`` field picks the
-workload ("gpt2": :mod:`benchmarks.lm_workload`, else :mod:`benchmarks.workload`),
+workload ("gpt2": :mod:`benchmarks.workloads.gpt2`, else :mod:`benchmarks.workloads.mlp`),
 so the same scripts serve both benchmarks and stay written once.
 """
 
@@ -12,7 +12,7 @@ import json
 import time
 from typing import Any
 
-from benchmarks import lm_workload, workload
+from benchmarks.workloads import gpt2, mlp, recorder
 
 
 class Task:
@@ -20,8 +20,8 @@ class Task:
 
     def __init__(self, spec: Any) -> None:
         self.spec = spec
-        self.lm = isinstance(spec, lm_workload.LMSpec)
-        self._module = lm_workload if self.lm else workload
+        self.lm = isinstance(spec, gpt2.LMSpec)
+        self._module = gpt2 if self.lm else mlp
         self._criterion: Any = None
 
     def build_model(self) -> Any:
@@ -38,12 +38,12 @@ class Task:
 
     def micro_batch(self, world_size: int) -> int:
         """Samples per worker per step."""
-        return self.spec.batch if self.lm else workload.GLOBAL_BATCH // world_size
+        return self.spec.batch if self.lm else mlp.GLOBAL_BATCH // world_size
 
     def loss(self, model: Any, batch: Any) -> Any:
         """The loss of ``batch``: the LM's own, or cross-entropy of the MLP's logits."""
         if self.lm:
-            return lm_workload.loss(model, batch)
+            return gpt2.loss(model, batch)
         if self._criterion is None:
             import torch
 
@@ -63,17 +63,17 @@ class Task:
         Marks the end of the set-up first (the set-up memory peak). ``step_fn`` must end
         with ``loss.item()`` (a host sync), so the recorded time covers the whole step.
         """
-        workload.RECORDER.setup_done()
+        recorder.RECORDER.setup_done()
         for index, batch in enumerate(loader):
             if index >= self.spec.steps:
                 break
             start = time.perf_counter()
             step_fn(batch)
-            workload.RECORDER.record(start, time.perf_counter())
+            recorder.RECORDER.record(start, time.perf_counter())
 
 
 def load_task(text: str) -> Task:
     """The task of a ``--spec`` JSON string (an :class:`LMSpec` when its model is "gpt2")."""
     if json.loads(text).get("model") == "gpt2":
-        return Task(lm_workload.LMSpec.from_json(text))
-    return Task(workload.WorkloadSpec.from_json(text))
+        return Task(gpt2.LMSpec.from_json(text))
+    return Task(mlp.WorkloadSpec.from_json(text))

@@ -20,7 +20,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import tensorflow as tf  # noqa: E402
 
-from benchmarks import workload  # noqa: E402
+from benchmarks.workloads import mlp, recorder  # noqa: E402
 
 
 def main() -> None:
@@ -29,10 +29,10 @@ def main() -> None:
     parser.add_argument("--spec", required=True)
     parser.add_argument("--result-dir", required=True)
     args = parser.parse_args()
-    rec = workload.RECORDER
+    rec = recorder.RECORDER
     rec.marks["script_start"] = _START
     rec.mark("imported")
-    spec = workload.WorkloadSpec.from_json(args.spec)
+    spec = mlp.WorkloadSpec.from_json(args.spec)
     rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     # The same thread settings polytrain gives a worker with one CPU.
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -40,21 +40,21 @@ def main() -> None:
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     rec.mark("process_group")
     with strategy.scope():
-        model = workload.tf_build_model(spec)
+        model = mlp.tf_build_model(spec)
     # The same metric reduction polytrain's backend sets (the first replica's result).
     model.distribute_reduction_method = "first"
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    dataset = workload.tf_dataset(spec).with_options(options)
+    dataset = mlp.tf_dataset(spec).with_options(options)
     rec.mark("wrapped")
     model.fit(
         dataset,
-        epochs=workload.TF_EPOCHS,
+        epochs=mlp.TF_EPOCHS,
         steps_per_epoch=spec.steps,
         verbose=0,
-        callbacks=[workload.tf_timing_callback()],
+        callbacks=[mlp.tf_timing_callback()],
     )
-    workload.write_summary(args.result_dir, rank)
+    recorder.write_summary(args.result_dir, rank)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,22 @@
 """The chaos run, short (issue 28, item 4): every fault kind once, over two torch backends.
 
-``benchmarks/chaos.py`` builds a simulated multi-node cluster (``ray.cluster_utils.Cluster``:
-a CPU-less head, 2-CPU worker nodes on loopback addresses) in a fresh process, trains an
-uninterrupted reference run and a run under a seeded fault schedule, each through driver
-processes that resume (``resume=True``), and writes its findings as JSON. Here: ddp under
-a worker SIGKILL, a worker frozen by SIGSTOP (caught by the hang watchdog) and a driver
-SIGTERM; fsdp under a node removal and node drains with and without a deadline; TFTrainer
-under a frozen worker with a watchdog slower than TensorFlow's coordination service (which
-fails the live peer with ``DeadlineExceededError`` first: that must still be taken for a
-lost worker). Each must end with the reference's weights bit for bit, lose no step to an
-announced fault and at most ``every_n_steps`` (an epoch for TFTrainer) to the others, and
-leave no actor, placement group, worker process or stray checkpoint file behind. ``make chaos`` runs the whole thing (20 faults per backend,
-every torch backend and TFTrainer).
+``python benchmarks/run.py chaos`` (:mod:`benchmarks.chaos.suite`) builds a simulated
+multi-node cluster (``ray.cluster_utils.Cluster``: a CPU-less head, 2-CPU worker nodes on
+loopback addresses) in a fresh process, trains an uninterrupted reference run and a run
+under a seeded fault schedule, each through driver processes that resume (``resume=True``),
+and writes its findings as JSON. Here: ddp under a worker SIGKILL, a worker frozen by
+SIGSTOP (caught by the hang watchdog) and a driver SIGTERM; fsdp under a node removal and
+node drains with and without a deadline; TFTrainer under a frozen worker with a watchdog
+slower than TensorFlow's coordination service (which fails the live peer with
+``DeadlineExceededError`` first: that must still be taken for a lost worker). Each must end
+with the reference's weights bit for bit, lose no step to an announced fault and at most
+``every_n_steps`` (an epoch for TFTrainer) to the others, and leave no actor, placement
+group, worker process or stray checkpoint file behind. ``make chaos`` runs the whole thing
+(20 faults per backend, every torch backend and TFTrainer).
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import subprocess
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "chaos.py"
+RUN = REPO / "benchmarks" / "run.py"
 EVERY_N_STEPS = 4
 RUNS = {
     "ddp": ("kill_worker", "hang_worker", "driver_sigterm"),
@@ -49,7 +49,7 @@ def chaos(request, tmp_path_factory) -> dict:
     }
     env["PYTHONPATH"] = str(REPO)  # this repository's benchmarks package, not fairscale's
     command = [
-        sys.executable, str(SCRIPT), "--backends", backend, "--faults", str(len(kinds)),
+        sys.executable, str(RUN), "chaos", "--backends", backend, "--faults", str(len(kinds)),
         "--kinds", ",".join(kinds), "--seed", "0", "--out", str(out), "--gap", "8",
         "--tail", "30", "--every-n-steps", str(EVERY_N_STEPS), "--hang-timeout-s", str(HANG_TIMEOUT_S[backend]),
         "--drain-deadline-s", "8",
@@ -121,11 +121,6 @@ def test_nothing_is_left_behind(chaos):
 
 
 def test_the_short_runs_cover_every_fault_kind():
-    # Read from the script's source: importing it would set PYTHONPATH in this process.
-    tree = ast.parse(SCRIPT.read_text())
-    kinds = next(
-        ast.literal_eval(node.value)
-        for node in tree.body
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "KINDS"
-    )
-    assert {kind for kinds_of_run in RUNS.values() for kind in kinds_of_run} == set(kinds)
+    from benchmarks.chaos.schedule import KINDS
+
+    assert {kind for kinds_of_run in RUNS.values() for kind in kinds_of_run} == set(KINDS)

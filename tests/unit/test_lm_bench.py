@@ -6,15 +6,17 @@ import argparse
 
 import pytest
 
-from benchmarks import lm_bench, lm_report, run
-from benchmarks.lm_workload import LMSpec
+from benchmarks import results
+from benchmarks.lm import suite as lm_suite
+from benchmarks.lm import tables as lm_tables
 from benchmarks.native.task import load_task
+from benchmarks.workloads.gpt2 import LMSpec
 
 
 def test_param_count_matches_the_model() -> None:
     """The formulas' Ψ is the model's real parameter count (tied embedding counted once)."""
     transformers = pytest.importorskip("transformers")
-    from benchmarks.lm_workload import gpt2_config
+    from benchmarks.workloads.gpt2 import gpt2_config
 
     spec = LMSpec(size="tiny")
     model = transformers.GPT2LMHeadModel(gpt2_config(spec))
@@ -34,10 +36,10 @@ def test_spec_round_trip_and_task_choice() -> None:
 def test_formulas() -> None:
     """Per-rank model states in fp32-Adam terms, N = 2."""
     p = 2**20  # 1 Mi parameters: the MiB figures are the bytes per parameter
-    assert lm_report.formula_mb("ddp", p)[1] == 16
-    assert lm_report.formula_mb("deepspeed", p)[1] == 4 + 6
-    assert lm_report.formula_mb("fairscale", p)[1] == 4 + 6
-    assert lm_report.formula_mb("fsdp", p)[1] == lm_report.formula_mb("zero3", p)[1] == 8
+    assert lm_tables.formula_mb("ddp", p)[1] == 16
+    assert lm_tables.formula_mb("deepspeed", p)[1] == 4 + 6
+    assert lm_tables.formula_mb("fairscale", p)[1] == 4 + 6
+    assert lm_tables.formula_mb("fsdp", p)[1] == lm_tables.formula_mb("zero3", p)[1] == 8
 
 
 def test_cases_pair_every_backend_with_its_native_run() -> None:
@@ -45,16 +47,16 @@ def test_cases_pair_every_backend_with_its_native_run() -> None:
     args = argparse.Namespace(
         quick=True, suite="both", memory_steps=3, speed_steps=4, speed_warmup=1
     )
-    sections = lm_bench.build_sections(args)
-    memory = {c.key: c for c in sections[lm_report.MEMORY][0]}
-    assert len(memory) == 2 * len(lm_report.MEMORY_TAGS) + 1  # + the meta-init reference
-    assert "--meta-init" in memory[lm_report.META_KEY].commands[0][0]
+    sections = lm_suite.build_sections(args)
+    memory = {c.key: c for c in sections[lm_tables.MEMORY][0]}
+    assert len(memory) == 2 * len(lm_tables.MEMORY_TAGS) + 1  # + the meta-init reference
+    assert "--meta-init" in memory[lm_tables.META_KEY].commands[0][0]
     zero3 = memory["lm-memory/polytrain-zero3"]
     assert zero3.baseline == "lm-memory/native-zero3"
     assert '"stage": 3' in " ".join(zero3.commands[0][0])
     assert "3" in memory["lm-memory/native-zero3"].commands[0][0][-1]
-    speed = [c.key for c in sections[lm_report.SPEED][0]]
-    assert "lm-speed/native-horovod" in speed and len(speed) == 2 * len(lm_report.SPEED_TAGS)
+    speed = [c.key for c in sections[lm_tables.SPEED][0]]
+    assert "lm-speed/native-horovod" in speed and len(speed) == 2 * len(lm_tables.SPEED_TAGS)
 
 
 def _run(step_ms: float, peaks: list[float]) -> dict:
@@ -102,20 +104,20 @@ def test_tables_render_ratios_per_rank() -> None:
             ("lm-speed/polytrain-ddp", [11, 12, 13]),
         )
     }
-    results = {lm_report.MEMORY: memory, lm_report.SPEED: speed}
-    text = "\n".join(lm_report.render(results))
+    results = {lm_tables.MEMORY: memory, lm_tables.SPEED: speed}
+    text = "\n".join(lm_tables.render(results))
     assert "1.040 / 1.100: 1.100 (missed, goal <= 1.05)" in text
     assert "1.091 (missed, goal <= 1.03)" in text  # 12 / 11 ms
     assert "- ddp: step ratio 1.091" in text
     assert "| step time, polytrain / native (goal <= 1.03) | 1.091 |" in "\n".join(
-        lm_report.readme_table(results)
+        lm_tables.readme_table(results)
     )
 
 
 def test_results_sections_sort_by_number() -> None:
     """Section 10 comes after section 9 in RESULTS.md, not after section 1."""
     headings = ["### 10. b", "### 2. x", "### 9. a", "### 1. y"]
-    assert sorted(headings, key=run._section_order) == [
+    assert sorted(headings, key=results.section_order) == [
         "### 1. y",
         "### 2. x",
         "### 9. a",

@@ -3,7 +3,7 @@
 The numbers are the MLP rows of ``benchmarks/RESULTS.md`` (sections 1-4: MLP
 784-512-512-10, global batch 64, 2 workers on 2 CPU cores, gloo, medians of the
 repetitions): each backend's step time under its native launcher and under polytrain.
-Update them here after ``make bench`` and run ``python benchmarks/plot_results.py``.
+Update them here after ``make bench`` and run ``python benchmarks/run.py plot``.
 The figure is drawn with matplotlib's object-oriented API on the Agg canvas, as
 ``polytrain compare`` draws ``compare.png``.
 """
@@ -23,10 +23,13 @@ STEP_MS = {
     "mwms\n(TF)": (19.69, 18.58, 1.03, "section 4: step interval, TF_CONFIG processes"),
 }
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "assets" / "benchmarks.png"
+#: The suite's name on the command line of ``benchmarks/run.py``.
+NAME = "plot"
+OUT = Path(__file__).resolve().parents[2] / "docs" / "assets" / "benchmarks.png"
 
 
 def draw(path: Path = OUT) -> Path:
+    """Draw the step times and their ratios into ``path`` (a PNG); returns the path."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -74,11 +77,11 @@ def draw(path: Path = OUT) -> Path:
     return path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    """Draw the figure (``--out``: somewhere else than the documentation's)."""
+    parser = argparse.ArgumentParser(
+        prog=f"benchmarks/run.py {NAME}", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--out", type=Path, default=OUT)
-    print(draw(parser.parse_args().out))
-
-
-if __name__ == "__main__":
-    main()
+    print(draw(parser.parse_args(argv).out))
+    return 0

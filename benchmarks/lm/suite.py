@@ -2,7 +2,7 @@
 
 Two suites, each run in one invocation with the runners interleaved (native,
 polytrain, native, polytrain, ...) and reported as medians and ratios, with the
-same machinery as :mod:`benchmarks.run`:
+same machinery as the side-by-side suite (:mod:`benchmarks.harness`):
 
 * ``--suite memory``: GPT-2 medium (354.8M parameters) on 2 workers: peak RSS per
   rank and the set-up peak for ddp, fsdp (FSDP2 FULL_SHARD by block), DeepSpeed
@@ -14,12 +14,12 @@ same machinery as :mod:`benchmarks.run`:
 
 Usage::
 
-    python benchmarks/lm_bench.py --suite memory            # 3 reps, 3 steps (~45-60 min on 2 cores)
-    python benchmarks/lm_bench.py --suite memory --reps 1   # one of each (~15-20 min)
-    python benchmarks/lm_bench.py --suite speed             # 3 reps, 10 steps (~35-45 min)
-    python benchmarks/lm_bench.py --suite both --quick      # smoke: tiny GPT-2, 1 rep (~8 min)
-    python benchmarks/lm_bench.py --suite speed --only ddp,fsdp --reps 5
-    python benchmarks/lm_bench.py --render-only             # rebuild sections 9-10 from out/
+    python benchmarks/run.py lm --suite memory            # 3 reps, 3 steps (~45-60 min on 2 cores)
+    python benchmarks/run.py lm --suite memory --reps 1   # one of each (~15-20 min)
+    python benchmarks/run.py lm --suite speed             # 3 reps, 10 steps (~35-45 min)
+    python benchmarks/run.py lm --suite both --quick      # smoke: tiny GPT-2, 1 rep (~8 min)
+    python benchmarks/run.py lm --suite speed --only ddp,fsdp --reps 5
+    python benchmarks/run.py lm --render-only             # rebuild sections 9-10 from out/
 
 Raw results go to ``benchmarks/out/lm-memory.json`` / ``lm-speed.json`` (each run
 with its load average before it; each section with the load at its start and end)
@@ -37,14 +37,15 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks import results
+from benchmarks.harness.cases import Case, native_command, torch_cases
+from benchmarks.harness.runner import OUT, load_saved, run_sections
+from benchmarks.lm import tables
+from benchmarks.workloads.gpt2 import LMSpec
 
-from benchmarks import lm_report, run  # noqa: E402
-from benchmarks.cases import Case, native_command, torch_cases  # noqa: E402
-from benchmarks.lm_workload import LMSpec  # noqa: E402
-
-QUICK_OUT = run.OUT / "quick"
+#: The suite's name on the command line of ``benchmarks/run.py``.
+NAME = "lm"
+QUICK_OUT = OUT / "quick"
 #: Set-up of the 355M model (HF init, broadcast, sharding) plus its steps: minutes per run.
 MEMORY_TIMEOUT_S = 1800.0
 SPEED_TIMEOUT_S = 900.0
@@ -57,18 +58,18 @@ def build_sections(args: argparse.Namespace) -> dict[str, list[list[Case]]]:
     speed = LMSpec(size=size or "speed", steps=args.speed_steps, warmup=args.speed_warmup)
     sections: dict[str, list[list[Case]]] = {}
     if args.suite in ("memory", "both"):
-        sections[lm_report.MEMORY] = [
+        sections[tables.MEMORY] = [
             [
                 c
-                for tag in lm_report.MEMORY_TAGS
-                for c in torch_cases(tag, memory, lm_report.MEMORY, MEMORY_TIMEOUT_S)
+                for tag in tables.MEMORY_TAGS
+                for c in torch_cases(tag, memory, tables.MEMORY, MEMORY_TIMEOUT_S)
             ]
         ]
         # Not a comparison: what the native side reaches when ranks > 0 never hold the model.
         label, argv, requires = native_command("fsdp", memory.to_json())
-        sections[lm_report.MEMORY][0].append(
+        sections[tables.MEMORY][0].append(
             Case(
-                lm_report.META_KEY,
+                tables.META_KEY,
                 label.replace("FSDP script", "FSDP2 script, ranks > 0 built on the meta device"),
                 "fsdp",
                 "native",
@@ -79,11 +80,11 @@ def build_sections(args: argparse.Namespace) -> dict[str, list[list[Case]]]:
             )
         )
     if args.suite in ("speed", "both"):
-        sections[lm_report.SPEED] = [
+        sections[tables.SPEED] = [
             [
                 c
-                for tag in lm_report.SPEED_TAGS
-                for c in torch_cases(tag, speed, lm_report.SPEED, SPEED_TIMEOUT_S)
+                for tag in tables.SPEED_TAGS
+                for c in torch_cases(tag, speed, tables.SPEED, SPEED_TIMEOUT_S)
             ]
         ]
     return sections
@@ -91,22 +92,24 @@ def build_sections(args: argparse.Namespace) -> dict[str, list[list[Case]]]:
 
 def write_outputs(out_dir: Path, quick: bool) -> str:
     """Render the saved results: RESULTS.md (not for a smoke run) and the README table."""
-    saved = run.load_saved(out_dir)
-    text = "\n".join(lm_report.render(saved))
+    saved = load_saved(out_dir)
+    text = "\n".join(tables.render(saved))
     if quick:
         (out_dir / "lm-results.md").write_text(text)
     else:
-        run.write_results_md(run.load_saved())
-    (out_dir / "lm-readme.md").write_text("\n".join(lm_report.readme_table(saved)) + "\n")
+        results.write_results_md(load_saved())
+    (out_dir / "lm-readme.md").write_text("\n".join(tables.readme_table(saved)) + "\n")
     return text
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line (see the module's docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog=f"benchmarks/run.py {NAME}", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--suite", choices=("memory", "speed", "both"), default="both")
     parser.add_argument("--quick", action="store_true", help="tiny GPT-2, 1 rep, out/quick/")
-    all_tags = sorted(set(lm_report.MEMORY_TAGS) | set(lm_report.SPEED_TAGS))
+    all_tags = sorted(set(tables.MEMORY_TAGS) | set(tables.SPEED_TAGS))
     parser.add_argument("--only", default=None, help=f"comma-separated subset of {all_tags}")
     parser.add_argument("--reps", type=int, default=None, help="repetitions (3; --quick: 1)")
     parser.add_argument("--memory-steps", type=int, default=3)
@@ -125,19 +128,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the selected suites, save the raw results and render the tables."""
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    out_dir = QUICK_OUT if args.quick else run.OUT
-    command = "python benchmarks/lm_bench.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    out_dir = QUICK_OUT if args.quick else OUT
+    command = " ".join(["python benchmarks/run.py", NAME, *argv])
     if not args.render_only:
         run_id = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
         print(f"load average at start: {os.getloadavg()}", flush=True)
-        run.run_sections(build_sections(args), args.tags, args.reps, run_id, command, out_dir)
+        run_sections(build_sections(args), args.tags, args.reps, run_id, command, out_dir)
         print(f"load average at end: {os.getloadavg()}", flush=True)
     print(write_outputs(out_dir, args.quick))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,8 @@
 """Tables of the GPT-2 benchmarks (issue 26): RESULTS.md sections 9 and 10 and the README table.
 
-Reads the sections ``lm-memory`` and ``lm-speed`` that :mod:`benchmarks.lm_bench`
-saves; :func:`benchmarks.run.render` calls :func:`render`, so ``run.py
---render-only`` rebuilds them too.
+Reads the sections ``lm-memory`` and ``lm-speed`` that :mod:`benchmarks.lm.suite`
+saves; :func:`benchmarks.results.render` calls :func:`render`, so every
+``--render-only`` rebuilds them too.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.lm_workload import LMSpec
-from benchmarks.run import _fmt, _goal, _meta_line, _ratio, _status, aggregate
-from benchmarks.workload import NUM_WORKERS
+from benchmarks.harness.tables import aggregate, fmt, goal, meta_line, ratio, skip_note
+from benchmarks.workloads.gpt2 import LMSpec
+from benchmarks.workloads.mlp import NUM_WORKERS
 
 MEMORY, SPEED = "lm-memory", "lm-speed"
 #: The native FSDP2 run whose ranks > 0 build the model on the meta device (no polytrain pair).
@@ -65,11 +65,11 @@ def growth(entry: dict[str, Any], key: str) -> list[float | None]:
 
 
 def _ranks(values: list[float | None], digits: int = 0) -> str:
-    return " / ".join(_fmt(v, digits) for v in values) if values else "n/a"
+    return " / ".join(fmt(v, digits) for v in values) if values else "n/a"
 
 
 def _rank_ratios(a: list[float | None], b: list[float | None]) -> list[float | None]:
-    return [_ratio(y, x) for x, y in zip(a, b, strict=False)]
+    return [ratio(y, x) for x, y in zip(a, b, strict=False)]
 
 
 def memory_row(section: dict[str, Any], tag: str, p: int) -> str | None:
@@ -77,9 +77,9 @@ def memory_row(section: dict[str, Any], tag: str, p: int) -> str | None:
     native, ours = section.get(f"{MEMORY}/native-{tag}"), section.get(f"{MEMORY}/polytrain-{tag}")
     if native is None or ours is None:
         return None
-    status = _status(native) or _status(ours)
-    if status:
-        return f"| {NAMES[tag]} | {status} |||||||"
+    skipped = skip_note(native) or skip_note(ours)
+    if skipped:
+        return f"| {NAMES[tag]} | {skipped} |||||||"
     text, mib = formula_mb(tag, p)
     a, b = per_rank(native, "peak_rss_mb"), per_rank(ours, "peak_rss_mb")
     ratios = _rank_ratios(a, b)
@@ -87,9 +87,9 @@ def memory_row(section: dict[str, Any], tag: str, p: int) -> str | None:
     setup_a, setup_b = growth(native, "setup_peak_rss_mb"), growth(ours, "setup_peak_rss_mb")
     return (
         f"| {NAMES[tag]} | {text} = {mib:,.0f} | {_ranks(a)} | {_ranks(b)} "
-        f"| {_ranks(ratios, 3)}: {_goal(worst, 1.05)} "
+        f"| {_ranks(ratios, 3)}: {goal(worst, 1.05)} "
         f"| {_ranks(growth(native, 'peak_rss_mb'))} | {_ranks(growth(ours, 'peak_rss_mb'))} "
-        f"| {_fmt(setup_a[-1] if setup_a else None, 0)} / {_fmt(setup_b[-1] if setup_b else None, 0)} "
+        f"| {fmt(setup_a[-1] if setup_a else None, 0)} / {fmt(setup_b[-1] if setup_b else None, 0)} "
         f"| {aggregate(native)['n']}/{aggregate(ours)['n']} |"
     )
 
@@ -102,7 +102,7 @@ def render_memory(section: dict[str, Any]) -> list[str]:
     lines = [
         "### 9. GPT-2 memory: torchrun scripts vs polytrain, per rank (issue 26)",
         "",
-        _meta_line(section),
+        meta_line(section),
         "",
         f"GPT-2 ({spec.n_layer} layers, d={spec.n_embd}, {spec.n_head} heads, vocab "
         f"{spec.vocab}): Ψ = {p:,} parameters, {4 * p / 2**20:,.0f} MiB in fp32 (the full "
@@ -124,12 +124,12 @@ def meta_reference(section: dict[str, Any], p: int) -> list[str]:
     entry = section.get(META_KEY)
     if entry is None:
         return []
-    if _status(entry):
-        return [f"- Reference, {entry['label']}: {_status(entry)}."]
+    if skip_note(entry):
+        return [f"- Reference, {entry['label']}: {skip_note(entry)}."]
     setup, peaks = growth(entry, "setup_peak_rss_mb"), per_rank(entry, "peak_rss_mb")
     return [
         f"- Reference, {entry['label']}: set-up peak growth of rank 1 "
-        f"{_fmt(setup[-1] if setup else None, 0)} MiB (the full model: {4 * p / 2**20:,.0f} "
+        f"{fmt(setup[-1] if setup else None, 0)} MiB (the full model: {4 * p / 2**20:,.0f} "
         f"MiB); peak RSS {_ranks(peaks)} MiB; {aggregate(entry)['n']} rep(s). What FSDP2 "
         "reaches when the model is built on the meta device outside rank 0, as polytrain "
         "does by default under fsdp and ZeRO-3 (`init_on_rank0`)."
@@ -190,18 +190,18 @@ def speed_row(section: dict[str, Any], tag: str, spec: LMSpec) -> tuple[str, lis
     native, ours = section.get(f"{SPEED}/native-{tag}"), section.get(f"{SPEED}/polytrain-{tag}")
     if native is None or ours is None:
         return None
-    status = _status(native) or _status(ours)
-    if status:
-        return f"| {NAMES[tag]} | {status} ||||||||", []
+    skipped = skip_note(native) or skip_note(ours)
+    if skipped:
+        return f"| {NAMES[tag]} | {skipped} ||||||||", []
     a, b = aggregate(native), aggregate(ours)
-    step_r = _ratio(b["step_ms"], a["step_ms"])
+    step_r = ratio(b["step_ms"], a["step_ms"])
     tps_a, tps_b = _tokens_per_s(spec, a["interval_ms"]), _tokens_per_s(spec, b["interval_ms"])
-    tps_r = _ratio(tps_a, tps_b)  # > 1: polytrain trains fewer tokens per second
+    tps_r = ratio(tps_a, tps_b)  # > 1: polytrain trains fewer tokens per second
     loads = [x for agg in (a, b) if agg["load"] for x in agg["load"]]
     load = (min(loads), max(loads)) if loads else None
     row = (
-        f"| {NAMES[tag]} | {native['label']} | {_fmt(a['step_ms'], 1)} | {_fmt(b['step_ms'], 1)} "
-        f"| {_goal(step_r, 1.03)} | {_fmt(tps_a, 0)} | {_fmt(tps_b, 0)} | {_goal(tps_r, 1.03)} "
+        f"| {NAMES[tag]} | {native['label']} | {fmt(a['step_ms'], 1)} | {fmt(b['step_ms'], 1)} "
+        f"| {goal(step_r, 1.03)} | {fmt(tps_a, 0)} | {fmt(tps_b, 0)} | {goal(tps_r, 1.03)} "
         f"| {a['n']}/{b['n']} | {f'{load[0]:.1f}-{load[1]:.1f}' if load else 'n/a'} |"
     )
     missed = [
@@ -218,7 +218,7 @@ def render_speed(section: dict[str, Any]) -> list[str]:
     lines = [
         "### 10. GPT-2 speed: native launchers vs polytrain (issue 26)",
         "",
-        _meta_line(section),
+        meta_line(section),
         "",
         f"GPT-2 ({spec.n_layer} layers, d={spec.n_embd}, {spec.n_head} heads, vocab "
         f"{spec.vocab}, Ψ = {spec.num_params():,}), sequence {spec.seq}, {spec.batch} "
@@ -276,11 +276,11 @@ def readme_table(all_results: dict[str, dict[str, Any]]) -> list[str]:
             if native and ours
             else []
         )
-        mem_cells.append(_fmt(max((r for r in ratios if r is not None), default=None), 3))
+        mem_cells.append(fmt(max((r for r in ratios if r is not None), default=None), 3))
         native, ours = speed.get(f"{SPEED}/native-{tag}"), speed.get(f"{SPEED}/polytrain-{tag}")
         a, b = (aggregate(native), aggregate(ours)) if native and ours else ({}, {})
-        step_cells.append(_fmt(_ratio(b.get("step_ms"), a.get("step_ms")), 3))
-        tps_cells.append(_fmt(_ratio(b.get("interval_ms"), a.get("interval_ms")), 3))
+        step_cells.append(fmt(ratio(b.get("step_ms"), a.get("step_ms")), 3))
+        tps_cells.append(fmt(ratio(b.get("interval_ms"), a.get("interval_ms")), 3))
     lines.append(
         "| peak RSS per rank, polytrain / native (worst rank; goal <= 1.05) | "
         + " | ".join(mem_cells)

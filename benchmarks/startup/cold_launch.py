@@ -5,7 +5,7 @@ fresh process (which starts its own local Ray), and a bare ``ray.init`` whose ph
 timed (``drivers/ray_start_profile.py``). Prints a markdown table of the medians and
 writes the runs to ``benchmarks/out/cold-launch.json``.
 
-Usage: python benchmarks/cold_launch.py [--reps 3] [--steps 30]
+Usage: python benchmarks/run.py cold-launch [--reps 3] [--steps 30]
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.harness import runner
+from benchmarks.harness.cases import ROOT, torch_cases
+from benchmarks.workloads.mlp import WorkloadSpec
 
-from benchmarks.cases import torch_cases  # noqa: E402
-from benchmarks.workload import WorkloadSpec  # noqa: E402
-
-OUT = ROOT / "benchmarks" / "out" / "cold-launch.json"
+#: The suite's name on the command line of ``benchmarks/run.py``.
+NAME = "cold-launch"
+OUT = runner.OUT / "cold-launch.json"
 PROFILE = [sys.executable, str(ROOT / "benchmarks" / "drivers" / "ray_start_profile.py")]
 
 
@@ -67,12 +67,14 @@ def _ray_phases() -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     """Run the interleaved repetitions and print the table."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog=f"benchmarks/run.py {NAME}", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     spec = WorkloadSpec(model="mlp", steps=args.steps, warmup=min(10, args.steps // 2))
     native, polytrain = (c.commands[0][0] for c in torch_cases("ddp", spec, "cold"))
     runs: list[dict[str, Any]] = []
@@ -97,6 +99,7 @@ def main() -> None:
         json.dumps({"measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "runs": runs}, indent=1)
     )
     print("\n".join(table(runs)))
+    return 0
 
 
 def table(runs: list[dict[str, Any]]) -> list[str]:
@@ -122,7 +125,3 @@ def table(runs: list[dict[str, Any]]) -> list[str]:
         f"\n{len(runs)} interleaved reps, 1-minute load {min(loads):.1f}-{max(loads):.1f}."
     )
     return lines
-
-
-if __name__ == "__main__":
-    main()

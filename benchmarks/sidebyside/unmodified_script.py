@@ -1,4 +1,4 @@
-"""Section 11 of RESULTS.md: ``polytrain launch`` against ``torchrun`` on one unmodified script.
+"""RESULTS.md section 11: ``polytrain launch`` against ``torchrun`` on one unmodified script.
 
 Both runners start ``benchmarks/native/ddp_native.py`` (a torchrun script that
 reads ``RANK``/``WORLD_SIZE``/``MASTER_*`` and calls ``init_process_group``)
@@ -13,9 +13,12 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from benchmarks.cases import BENCH, Case, native_command
-from benchmarks.workload import NUM_WORKERS, WorkloadSpec
+from benchmarks.harness.cases import BENCH, Case, native_command
+from benchmarks.harness.tables import meta_line, render_time_table
+from benchmarks.workloads.mlp import NUM_WORKERS, WorkloadSpec
 
+#: The section's name in the suite's ``--only`` and in ``benchmarks/out/<name>.json``.
+SECTION = "launch"
 TITLE = "### 11. Unmodified torchrun script: torchrun vs polytrain launch (MLP 784-512-512-10)"
 NATIVE_KEY = "launch/native-ddp"
 LAUNCH_KEY = "launch/polytrain-launch"
@@ -44,10 +47,13 @@ def groups(spec: WorkloadSpec) -> list[list[Case]]:
     ]
 
 
-def render(section: dict[str, Any], meta_line: str, time_table: Any) -> list[str]:
-    """The section: the launch/step table of both runners (ratios against torchrun)."""
-    out = [TITLE, "", meta_line, ""]
-    out += time_table(section, [NATIVE_KEY, LAUNCH_KEY])
+def render(all_results: dict[str, dict[str, Any]]) -> list[str]:
+    """The section, if measured: the launch/step table of both runners (ratios against torchrun)."""
+    section = all_results.get(SECTION)
+    if not section:
+        return []
+    out = [TITLE, "", meta_line(section), ""]
+    out += render_time_table(section, [NATIVE_KEY, LAUNCH_KEY])
     out += [
         "",
         "(Launch to first step counts from starting the command; polytrain launch's includes "

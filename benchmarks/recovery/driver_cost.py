@@ -13,9 +13,9 @@ in machine load hits them alike.
 
 Usage::
 
-    python benchmarks/recovery_cost.py                    # max_retries 0 vs 3, 2 repetitions
-    python benchmarks/recovery_cost.py --reps 3 --epochs 4
-    python benchmarks/recovery_cost.py --one 3            # one driver run (what the others spawn)
+    python benchmarks/run.py recovery-cost                      # max_retries 0 vs 3, 2 repetitions
+    python benchmarks/run.py recovery-cost --reps 3 --epochs 4
+    python benchmarks/recovery/driver_cost.py --one 3           # one driver run (what the others spawn)
 
 Reported per configuration (medians over the repetitions): the driver's peak RSS
 and its RSS growth over the training run, the wall time of one ``train()``
@@ -36,9 +36,16 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-LAYERS, WIDTH = 12, 2000
-SAMPLES, GLOBAL_BATCH = 256, 64  # 4 steps an epoch: the capture is a visible share of it
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    # fairscale installs a top-level ``benchmarks`` package: this repository's must win.
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.recovery import workload  # noqa: E402
+
+#: The suite's name on the command line of ``benchmarks/run.py``.
+NAME = "recovery-cost"
+SAMPLES = 256  # 4 steps an epoch: the capture is a visible share of it
 
 
 def _rss_mb() -> float:
@@ -53,48 +60,15 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def model_creator(config: dict):
-    """LAYERS x Linear(WIDTH, WIDTH) with ReLU, then a 10-class head."""
-    import torch
-
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(LAYERS):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 10))
-
-
 def data_creator(config: dict):
     """Generated data (fixed seed), SAMPLES rows."""
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(SAMPLES, WIDTH, generator=g)
+    x = torch.randn(SAMPLES, workload.WIDTH, generator=g)
     y = torch.randint(0, 10, (SAMPLES,), generator=g)
     return DataLoader(TensorDataset(x, y), batch_size=config["batch_size"])
-
-
-def optimizer_creator(model, config: dict):
-    """Adam: two state tensors per parameter."""
-    import torch
-
-    return torch.optim.Adam(model.parameters(), lr=1e-4)
-
-
-def init_local_ray(**options: object) -> None:
-    """A local Ray instance for one benchmark driver: 4 logical CPUs, this repository importable."""
-    import ray
-
-    sys.path.insert(0, str(REPO))
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
-        configure_logging=False,
-        **options,
-    )
 
 
 def run_one(max_retries: int, epochs: int) -> dict:
@@ -104,13 +78,13 @@ def run_one(max_retries: int, epochs: int) -> dict:
 
     from polytrain import TorchTrainer
 
-    init_local_ray()
+    workload.init_local_ray()
     trainer = TorchTrainer(
-        model_creator=model_creator,
+        model_creator=workload.model_creator,
         data_creator=data_creator,
-        optimizer_creator=optimizer_creator,
+        optimizer_creator=workload.optimizer_creator,
         loss_creator=torch.nn.CrossEntropyLoss,
-        config={"batch_size": GLOBAL_BATCH},
+        config={"batch_size": workload.GLOBAL_BATCH},
         num_workers=2,
         failure_config={"max_retries": max_retries},
     )
@@ -148,25 +122,27 @@ def _spawn(max_retries: int, epochs: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     """Run the comparison (or, with ``--one``, a single driver run)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog=f"benchmarks/run.py {NAME}", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--one", type=int, default=None, help="max_retries of one driver run")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--retries", default="0,3", help="the max_retries values to compare")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.one is not None:
         print(json.dumps(run_one(args.one, args.epochs)))
-        return
+        return 0
     values = [int(v) for v in args.retries.split(",")]
     runs: dict[int, list[dict]] = {v: [] for v in values}
     for _ in range(args.reps):
         for value in values:
             runs[value].append(_spawn(value, args.epochs))
     print(
-        f"{LAYERS} x Linear({WIDTH}, {WIDTH}), Adam, 2 workers (ddp, CPU), "
-        f"{SAMPLES // GLOBAL_BATCH} steps an epoch, {args.reps} reps, medians"
+        f"{workload.LAYERS} x Linear({workload.WIDTH}, {workload.WIDTH}), Adam, 2 workers (ddp, CPU), "
+        f"{SAMPLES // workload.GLOBAL_BATCH} steps an epoch, {args.reps} reps, medians"
     )
     print(
         "| max_retries | driver peak RSS (MiB) | driver RSS growth (MiB) | "
@@ -186,7 +162,8 @@ def main() -> None:
             f"| {med('capture_s'):.2f} |"
         )
     print(json.dumps(runs))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

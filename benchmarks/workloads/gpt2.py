@@ -13,7 +13,7 @@ polytrain's default step does exactly that for mapping batches without a
 * ``"tiny"``: 2 layers, d=64, vocab 1000, sequence 32: the ``--quick`` smoke run.
 
 The native scripts tell this workload from the MLP one by the spec's ``model``
-field ("gpt2"): :func:`benchmarks.native_task.load_task`.
+field ("gpt2"): :func:`benchmarks.native.task.load_task`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import dataclasses
 import json
 from typing import Any
 
-from benchmarks.workload import NUM_WORKERS, RECORDER, SEED
+from benchmarks.workloads.mlp import NUM_WORKERS, SEED
+from benchmarks.workloads.recorder import RECORDER
 
 #: The model's shape per size: n_layer, n_embd, n_head, vocab_size, seq_len, per-worker batch.
 SIZES: dict[str, dict[str, int]] = {

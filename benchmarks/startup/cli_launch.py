@@ -6,7 +6,7 @@ interleaves, per repetition: ``torchrun`` + ``native/digits_torchrun.py`` and
 first forward's time, and ``polytrain launch -n 2`` of the torchrun script on the same
 cluster. Prints each launch to the latest rank's first forward and the medians' ratios.
 
-Usage: python benchmarks/cli_launch.py [--reps 3]
+Usage: python benchmarks/run.py cli-launch [--reps 3]
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+#: The suite's name on the command line of ``benchmarks/run.py``.
+NAME = "cli-launch"
 BIN = Path(sys.executable).parent
 SCRIPT = str(ROOT / "benchmarks" / "native" / "digits_torchrun.py")
 MODEL = "model=benchmarks.native.digits_torchrun:timed_model_creator"
@@ -50,12 +52,14 @@ def _launch_to_first_forward(argv: list[str]) -> float:
     return max(stamps) - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     """Run the interleaved reps against a running cluster and print the table."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog=f"benchmarks/run.py {NAME}", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--address", default=None, help="a running cluster (default: start one)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     started = args.address is None
     if started:
         subprocess.run(
@@ -120,7 +124,4 @@ def main() -> None:
         print(
             f"| {name} | {statistics.median(values):.2f} | {statistics.median(values) / base:.2f} |"
         )
-
-
-if __name__ == "__main__":
-    main()
+    return 0

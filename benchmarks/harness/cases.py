@@ -1,4 +1,9 @@
-"""What the benchmarks launch: :class:`Case` and the commands of the native and polytrain runs."""
+"""What the benchmarks launch: :class:`Case` and the commands of the native and polytrain runs.
+
+A case names the scripts it starts by their path under ``benchmarks/`` (``native/...``
+for the hand-written scripts under their native launchers, ``drivers/...`` for the
+polytrain and Ray Train driver scripts); :mod:`benchmarks.harness.runner` launches them.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,19 @@ import dataclasses
 import json
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.lm_workload import LMSpec
-from benchmarks.workload import NUM_WORKERS, WorkloadSpec
+from benchmarks.workloads.gpt2 import LMSpec
+from benchmarks.workloads.mlp import NUM_WORKERS, WorkloadSpec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 BIN = Path(sys.executable).parent
+
+
+#: A command line and the environment variables it adds to the runner's.
+Command = tuple[list[str], dict[str, str]]
 
 
 @dataclasses.dataclass
@@ -24,14 +34,17 @@ class Case:
     label: str
     tag: str
     kind: str  # "native" | "polytrain" | "raytrain" | "scenario" (metrics from driver.json)
-    commands: list[tuple[list[str], dict[str, str]]]
+    commands: list[Command]
     spec: WorkloadSpec | LMSpec
     requires: tuple[str, ...] = ()
     timeout_s: float = 300.0
     baseline: str | None = None  # key of the case this one is compared with
+    #: Builds ``commands`` anew at each launch instead (e.g. free ports picked then).
+    commands_at_launch: Callable[[], list[Command]] | None = None
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
+    """``count`` TCP ports free on 127.0.0.1 right now."""
     socks = [socket.socket() for _ in range(count)]
     try:
         for sock in socks:
@@ -42,11 +55,13 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def _py(script: str, *args: str) -> list[str]:
+def python_command(script: str, *args: str) -> list[str]:
+    """``python benchmarks/<script> args...`` with this interpreter."""
     return [sys.executable, str(BENCH / script), *args]
 
 
-def _torchrun(script: str, *args: str) -> list[str]:
+def torchrun_command(script: str, *args: str) -> list[str]:
+    """``torchrun`` on :data:`NUM_WORKERS` local ranks of ``benchmarks/<script> args...``."""
     return [str(BIN / "torchrun"), f"--nproc_per_node={NUM_WORKERS}", str(BENCH / script), *args]
 
 
@@ -55,23 +70,27 @@ def native_command(tag: str, s: str) -> tuple[str, list[str], tuple[str, ...]]:
     """The label, command line and required modules of ``tag``'s native run on spec JSON ``s``."""
     deepspeed = "native/deepspeed_native.py"
     native = {
-        "ddp": ("torchrun + DDP script", _torchrun("native/ddp_native.py", "--spec", s), ()),
+        "ddp": ("torchrun + DDP script", torchrun_command("native/ddp_native.py", "--spec", s), ()),
         "fairscale": (
             "torchrun + fairscale OSS/ShardedDDP script",
-            _torchrun("native/fairscale_native.py", "--spec", s),
+            torchrun_command("native/fairscale_native.py", "--spec", s),
             ("fairscale",),
         ),
         "deepspeed": (
             "torchrun + DeepSpeed ZeRO-2 engine script",
-            _torchrun(deepspeed, "--spec", s, "--stage", "2"),
+            torchrun_command(deepspeed, "--spec", s, "--stage", "2"),
             ("deepspeed",),
         ),
         "zero3": (
             "torchrun + DeepSpeed ZeRO-3 engine script",
-            _torchrun(deepspeed, "--spec", s, "--stage", "3"),
+            torchrun_command(deepspeed, "--spec", s, "--stage", "3"),
             ("deepspeed",),
         ),
-        "fsdp": ("torchrun + FSDP script", _torchrun("native/fsdp_native.py", "--spec", s), ()),
+        "fsdp": (
+            "torchrun + FSDP script",
+            torchrun_command("native/fsdp_native.py", "--spec", s),
+            (),
+        ),
         "horovod": (
             "horovodrun --gloo -np 2 + Horovod script",
             [str(BIN / "horovodrun"), "--gloo", "-np", str(NUM_WORKERS), sys.executable]
@@ -89,7 +108,7 @@ def torch_cases(
 
     ``tag`` is a backend name, or "zero3": DeepSpeed ZeRO-3 (the deepspeed backend with
     ``stage=3`` against the engine script with ``--stage 3``). ``spec`` is a
-    :class:`WorkloadSpec` or a GPT-2 :class:`~benchmarks.lm_workload.LMSpec`.
+    :class:`WorkloadSpec` or a GPT-2 :class:`~benchmarks.workloads.gpt2.LMSpec`.
     """
     s = spec.to_json()
     timeout = timeout_s or (600.0 if spec.model == "big" else 300.0)
@@ -101,7 +120,7 @@ def torch_cases(
     backend = "deepspeed" if tag == "zero3" else tag
     label, argv, requires = native_command(tag, s)
     native_key = f"{prefix}/native-{tag}"
-    driver = _py(
+    driver = python_command(
         "drivers/polytrain_torch.py",
         *("--backend", backend, "--backend-config", json.dumps(backend_config), "--spec", s),
     )
@@ -120,52 +139,3 @@ def torch_cases(
             baseline=native_key,
         ),
     ]
-
-
-#: polytrain's Lightning strategies in the lightning benchmark: (``--strategy`` of
-#: drivers/polytrain_lightning.py, label, modules the variant needs).
-LIGHTNING_VARIANTS = (
-    ("ddp", "polytrain RayStrategy(num_workers=2) (ddp)", ()),
-    ("horovod", "polytrain RayHorovodStrategy(num_workers=2)", ("horovod",)),
-    ("sharded", "polytrain RayShardedStrategy(num_workers=2) (fairscale)", ("fairscale",)),
-    ("deepspeed", "polytrain RayDeepSpeedStrategy(num_workers=2) (ZeRO-2)", ("deepspeed",)),
-)
-
-
-def lightning_cases(spec: WorkloadSpec, prefix: str = "lightning") -> list[Case]:
-    """Lightning's ``strategy="ddp"`` under torchrun, then polytrain's strategies, on one module.
-
-    Every case trains :class:`benchmarks.native.lightning_native.WorkloadModule` with
-    the same Trainer options; each polytrain case is compared with the torchrun run.
-    A DeepSpeed launch may compile DeepSpeed's communication extension first (once per
-    machine), hence its longer timeout.
-    """
-    s = spec.to_json()
-    native_key = f"{prefix}/native-ddp"
-    cases = [
-        Case(
-            native_key,
-            'torchrun + Lightning Trainer(strategy="ddp")',
-            "lightning",
-            "native",
-            [(_torchrun("native/lightning_native.py", "--spec", s), {})],
-            spec,
-            ("pytorch_lightning",),
-        )
-    ]
-    for variant, label, requires in LIGHTNING_VARIANTS:
-        argv = _py("drivers/polytrain_lightning.py", "--strategy", variant, "--spec", s)
-        cases.append(
-            Case(
-                f"{prefix}/polytrain-{variant}",
-                label,
-                "lightning",
-                "polytrain",
-                [(argv, {})],
-                spec,
-                ("pytorch_lightning", *requires),
-                600.0 if variant == "deepspeed" else 300.0,
-                baseline=native_key,
-            )
-        )
-    return cases

@@ -1,8 +1,8 @@
-"""One driver segment of the chaos run (benchmarks/chaos.py starts one per segment).
+"""One driver segment of the chaos run (:mod:`benchmarks.chaos.orchestrator` starts one per segment).
 
 Usage::
 
-    python benchmarks/chaos_driver.py --address HEAD --case ddp --run-dir DIR --epochs E \
+    python benchmarks/chaos/driver.py --address HEAD --case ddp --run-dir DIR --epochs E \
         [--every-n-steps N] [--hang-timeout-s S] [--step-sleep-s S] [--segment K]
 
 Connects to the (simulated) cluster, builds a TorchTrainer or TFTrainer on the chaos
@@ -29,15 +29,14 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     # fairscale installs a top-level ``benchmarks`` package: this repository's must win.
     sys.path.insert(0, str(REPO))
 
-from benchmarks import chaos_workload as workload  # noqa: E402
-
-#: Workers of every group (one per worker node: SPREAD over two 2-CPU nodes).
-NUM_WORKERS = 2
+from benchmarks.chaos import workload  # noqa: E402
+from benchmarks.chaos.cluster import live_actors_and_groups  # noqa: E402
+from benchmarks.chaos.schedule import NUM_WORKERS  # noqa: E402
 
 
 def case_backend(case: str) -> tuple[str, Any]:
@@ -107,24 +106,8 @@ def build_trainer(args: argparse.Namespace) -> Any:
 def own_leftovers(wait_s: float = 15.0) -> dict[str, list[str]]:
     """This job's actors that are not dead and placement groups not removed, after up to ``wait_s``."""
     import ray
-    from ray._private import state
 
-    job = ray.get_runtime_context().get_job_id()
-    deadline = time.monotonic() + wait_s
-    while True:
-        actors = [
-            f"{a['ActorClassName']} {a['ActorID'][:12]} {a['State']} pid {a.get('Pid')}"
-            for a in state.actors().values()
-            if a["JobID"] == job and a["State"] != "DEAD"
-        ]
-        groups = [
-            f"{pg['placement_group_id'][:12]} {pg['state']}"
-            for pg in ray.util.placement_group_table().values()
-            if pg["state"] != "REMOVED"
-        ]
-        if (not actors and not groups) or time.monotonic() > deadline:
-            return {"actors": actors, "placement_groups": groups}
-        time.sleep(0.5)
+    return live_actors_and_groups(ray.get_runtime_context().get_job_id(), wait_s)
 
 
 def main() -> int:
@@ -152,7 +135,7 @@ def main() -> int:
         from polytrain.errors import PreemptedError
         from polytrain.launchers.cluster.connect import ensure_ray
 
-        # The raylets' workers import the workload from this repository: benchmarks/chaos.py
+        # The raylets' workers import the workload from this repository: benchmarks/chaos/suite.py
         # put it on the PYTHONPATH the cluster's processes inherit.
         ensure_ray(args.address, timeout_s=60)
         trainer = build_trainer(args)

@@ -1,4 +1,4 @@
-"""The ``warm`` section of ``benchmarks/run.py``: the cold path phase by phase, and warm workers.
+"""RESULTS.md section 5 (``--only warm`` of the side-by-side suite): the cold path phase by phase, and warm workers.
 
 Two interleaving groups:
 
@@ -18,8 +18,12 @@ import os
 import statistics
 from typing import Any
 
-from benchmarks.cases import Case, _py, torch_cases
-from benchmarks.workload import WorkloadSpec
+from benchmarks.harness.cases import Case, python_command, torch_cases
+from benchmarks.harness.tables import fmt, meta_line
+from benchmarks.workloads.mlp import WorkloadSpec
+
+#: The section's name in the suite's ``--only`` and in ``benchmarks/out/<name>.json``.
+SECTION = "warm"
 
 #: (scenario, label, extra arguments, requirements) of the warm group.
 SCENARIOS = (
@@ -46,7 +50,9 @@ def groups(steps: int) -> list[list[Case]]:
     scenarios = []
     for scenario, label, extra, requires in SCENARIOS:
         key = "warm/" + "-".join([scenario, *(a.strip("-") for a in extra)])
-        argv = _py("drivers/polytrain_warm.py", "--scenario", scenario, "--spec", spec.to_json())
+        argv = python_command(
+            "drivers/polytrain_warm.py", "--scenario", scenario, "--spec", spec.to_json()
+        )
         scenarios.append(
             Case(key, label, "warm", "scenario", [(argv + extra, {})], spec, requires, 600.0)
         )
@@ -58,10 +64,6 @@ def groups(steps: int) -> list[list[Case]]:
 # ------------------------------------------------------------------ reporting
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
-
-
-def _fmt(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def _runs(entry: dict[str, Any]) -> list[dict[str, Any]]:
@@ -108,7 +110,7 @@ def render_cold(section: dict[str, Any]) -> list[str]:
             _median([v for r in _runs(section[k]) if (v := _phase(r, start, end)) is not None])
             for k in present
         ]
-        lines.append(f"| {label} | " + " | ".join(_fmt(v) for v in values) + " |")
+        lines.append(f"| {label} | " + " | ".join(fmt(v, 2) for v in values) + " |")
     native_launch = _median([r["launch_s"] for r in native])
     for name, key in (
         ("launch to 1st step", "launch_s"),
@@ -118,12 +120,12 @@ def render_cold(section: dict[str, Any]) -> list[str]:
             _median([r[key] for r in _runs(section[k]) if r.get(key) is not None]) for k in present
         ]
         ratios = [
-            f"{_fmt(v)} ({_fmt(v / native_launch if v and native_launch else None)}x torchrun)"
+            f"{fmt(v, 2)} ({fmt(v / native_launch if v and native_launch else None, 2)}x torchrun)"
             for v in values
         ]
         lines.append(f"| **{name}** | " + " | ".join(ratios) + " |")
     lines.append(
-        f"| torchrun + DDP script, launch to 1st step | {_fmt(native_launch)} |"
+        f"| torchrun + DDP script, launch to 1st step | {fmt(native_launch, 2)} |"
         + " |" * (len(present) - 1)
     )
     return lines + [""]
@@ -238,8 +240,8 @@ def render_warm(section: dict[str, Any]) -> list[str]:
             if goal is None or median is None
             else f"<= {goal:g}: {'met' if median <= goal else 'missed'}"
         )
-        runs = ", ".join(_fmt(v) for v in values)
-        lines.append(f"| {label} | {_fmt(median)} | {runs} | {verdict} | {len(values)} |")
+        runs = ", ".join(fmt(v, 2) for v in values)
+        lines.append(f"| {label} | {fmt(median, 2)} | {runs} | {verdict} | {len(values)} |")
     reused = _reuse_checks(section)
     return lines + ["", reused, ""] if reused else lines + [""]
 
@@ -261,17 +263,15 @@ def _reuse_checks(section: dict[str, Any]) -> str:
     return ("Reuse checks per run: " + "; ".join(checks) + ".") if checks else ""
 
 
-def summarize_scenario(driver: dict[str, Any] | None) -> dict[str, Any]:
-    """The numbers of a scenario run: its driver's ``metrics``."""
-    return {"metrics": (driver or {}).get("metrics", {})}
-
-
-def render(section: dict[str, Any], meta_line: str) -> list[str]:
-    """The generated ``### 5.`` section."""
+def render(all_results: dict[str, dict[str, Any]]) -> list[str]:
+    """The generated ``### 5.`` section, if measured."""
+    section = all_results.get(SECTION)
+    if not section:
+        return []
     out = [
         "### 5. Start-up: the cold path per phase, and warm workers (issue 14)",
         "",
-        meta_line,
+        meta_line(section),
         "",
     ]
     loads = [r["load_before"] for e in section.values() for r in _runs(e) if "load_before" in r]

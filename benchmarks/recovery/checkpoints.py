@@ -21,9 +21,9 @@ driver process.
 
 Usage::
 
-    python benchmarks/checkpoint_bench.py save --backends ddp,fsdp,deepspeed-2
-    python benchmarks/checkpoint_bench.py stall --backend ddp --steps 12 --every 4
-    python benchmarks/checkpoint_bench.py rss --epochs 3
+    python benchmarks/run.py checkpoints save --backends ddp,fsdp,deepspeed-2
+    python benchmarks/run.py checkpoints stall --backend ddp --steps 12 --every 4
+    python benchmarks/run.py checkpoints rss --epochs 3
 
 Every mode prints one JSON line per configuration (and a summary table).
 """
@@ -41,7 +41,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
+#: The suite's name on the command line of ``benchmarks/run.py``.
+NAME = "checkpoints"
 LAYERS, WIDTH, SAMPLES, GLOBAL_BATCH = 12, 2000, 64, 16
 
 
@@ -71,7 +73,7 @@ def optimizer_creator(model, config: dict):
 
 def _init_ray() -> None:
     sys.path.insert(0, str(REPO))  # this repository's ``benchmarks``, not fairscale's
-    from benchmarks.recovery_cost import init_local_ray
+    from benchmarks.recovery.workload import init_local_ray
 
     init_local_ray()
 
@@ -286,8 +288,12 @@ def _spawn(args: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen mode's configurations, each in its own driver process (``--one``: this one)."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    parser = argparse.ArgumentParser(
+        prog=f"benchmarks/run.py {NAME}", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("mode", choices=("save", "stall", "rss"))
     parser.add_argument("--backends", default="ddp,fsdp,deepspeed-2")
     parser.add_argument("--backend", default="ddp")
@@ -296,7 +302,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--max-retries", type=int, default=None)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.one:  # a single configuration in this process
         if args.mode == "save":
             result = run_save(args.backend)
@@ -305,7 +311,7 @@ def main() -> None:
         else:
             result = run_rss(args.max_retries, args.epochs, args.backend)
         print(json.dumps(result))
-        return
+        return 0
     if args.mode == "save":
         runs = [["save", "--backend", b] for b in args.backends.split(",")]
     elif args.mode == "stall":
@@ -335,8 +341,8 @@ def main() -> None:
         ]
     for run in runs:
         print(json.dumps(_spawn(run)), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    main()
+    sys.exit(main())

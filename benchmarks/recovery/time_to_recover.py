@@ -21,9 +21,9 @@ the numbers come from that log and the kill time the dying rank writes.
 
 Usage::
 
-    python benchmarks/recovery_bench.py --reps 3                 # every torch backend
-    python benchmarks/recovery_bench.py --backends ddp,fsdp --reps 1
-    python benchmarks/recovery_bench.py --one ddp --workdir DIR  # one driver run
+    python benchmarks/run.py recovery --reps 3                            # every torch backend
+    python benchmarks/run.py recovery --backends ddp,fsdp --reps 1
+    python benchmarks/recovery/time_to_recover.py --one ddp --workdir DIR  # one driver run
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     # fairscale installs a top-level ``benchmarks`` package: this repository's must win.
     sys.path.insert(0, str(REPO))
 
-from benchmarks.recovery_cost import (  # noqa: E402
+from benchmarks.recovery.workload import (  # noqa: E402
     GLOBAL_BATCH,
     LAYERS,
     WIDTH,
@@ -53,6 +53,8 @@ from benchmarks.recovery_cost import (  # noqa: E402
     optimizer_creator,
 )
 
+#: The suite's name on the command line of ``benchmarks/run.py``.
+NAME = "recovery"
 BACKEND_CONFIGS: dict[str, dict | None] = {
     "ddp": None,
     "horovod": None,
@@ -195,21 +197,23 @@ def render(runs: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     """Run the comparison (or, with ``--one``, a single driver run)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog=f"benchmarks/run.py {NAME}", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--one", default=None, help="backend of one driver run")
     parser.add_argument("--workdir", default=None, help="the one run's directory")
     parser.add_argument("--backends", default=",".join(BACKEND_CONFIGS))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--render", default=None, help="print the table of a saved JSON line")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.one is not None:
         print(json.dumps(run_one(args.one, Path(args.workdir))))
-        return
+        return 0
     if args.render is not None:
         print(render(json.loads(Path(args.render).read_text())))
-        return
+        return 0
     backends = args.backends.split(",")
     unknown = sorted(set(backends) - set(BACKEND_CONFIGS))
     if unknown:
@@ -223,7 +227,8 @@ def main() -> None:
     print(render(runs))
     print(f"\nload average (1 min) between {min(load):.1f} and {max(load):.1f}")
     print(json.dumps(runs))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
