@@ -31,6 +31,7 @@ import subprocess
 import sys
 import textwrap
 import tokenize
+from collections.abc import Collection
 from functools import cache
 from pathlib import Path
 
@@ -77,12 +78,16 @@ def _is_import_call(node: ast.Call) -> bool:
     return name in ("import_module", "__import__")
 
 
-def imports_of(source: str, module: str, is_package: bool = False) -> list[tuple[str, int]]:
+def imports_of(
+    source: str, module: str, is_package: bool = False, modules: Collection[str] | None = None
+) -> list[tuple[str, int]]:
     """Every module that ``source`` imports, as (absolute name, line), in any scope.
 
-    ``from a.b import c`` yields ``a.b.c`` when that is a module of the package, else
-    ``a.b``; ``importlib.import_module("a.b")`` with a literal name yields ``a.b``.
+    ``from a.b import c`` yields ``a.b.c`` when that is one of ``modules`` (default:
+    the package's), else ``a.b``; ``importlib.import_module("a.b")`` with a literal
+    name yields ``a.b``.
     """
+    known = _package_modules() if modules is None else modules
     found: list[tuple[str, int]] = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -91,7 +96,7 @@ def imports_of(source: str, module: str, is_package: bool = False) -> list[tuple
             base = _resolve_from(module, is_package, node.module, node.level)
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
-                found.append((sub if sub in _package_modules() else base, node.lineno))
+                found.append((sub if sub in known else base, node.lineno))
         elif isinstance(node, ast.Call) and _is_import_call(node) and node.args:
             first = node.args[0]
             if isinstance(first, ast.Constant) and isinstance(first.value, str):
