@@ -9,10 +9,10 @@ Connects to the (simulated) cluster, builds a TorchTrainer or TFTrainer on the c
 workload with ``checkpoint_dir=DIR/ckpt`` and ``resume=True`` (a later segment
 continues where the previous one stopped) and trains until epoch E. At the end it
 writes the consolidated state to ``DIR/final.pt``. A SIGTERM makes ``train()``
-checkpoint at the next boundary and raise ``PreemptedError``: the segment then exits
-with its ``exit_code`` (143), and the next segment resumes. Either way it writes
-``DIR/segment_<K>.json``: where it started and stopped, the trainer's restart and
-preemption counts, and the actors and placement groups of its own job still alive
+checkpoint at the next boundary and raise ``TerminatedError`` (a ``RunStoppedError``):
+the segment then exits with its ``exit_code`` (143), and the next segment resumes.
+Either way it writes ``DIR/segment_<K>.json``: where it started and stopped, the
+trainer's restart and drain counts, and the actors and placement groups of its own job still alive
 after ``shutdown()`` (should be none).
 """
 
@@ -132,34 +132,34 @@ def main() -> int:
     status = 1
     trainer = None
     try:
-        from polytrain.errors import PreemptedError
+        from polytrain.errors import RunStoppedError
         from polytrain.launchers.cluster.connect import ensure_ray
 
         # The raylets' workers import the workload from this repository: benchmarks/chaos/suite.py
         # put it on the PYTHONPATH the cluster's processes inherit.
         ensure_ray(args.address, timeout_s=60)
         trainer = build_trainer(args)
-        record["start"] = [trainer.epoch, trainer._epoch_step]
+        record["start"] = [trainer.epoch, trainer.position.epoch_step]
         record["t_ready"] = time.time()
-        print(f"start {trainer.epoch} {trainer._epoch_step}", flush=True)
+        print(f"start {trainer.epoch} {trainer.position.epoch_step}", flush=True)
         try:
             while trainer.epoch < args.epochs:
                 trainer.train()
             trainer.save(run_dir / "final.pt")
             status = 0
-        except PreemptedError as exc:
+        except RunStoppedError as exc:
             record["preempted"] = {"checkpoint": exc.checkpoint_path, "message": str(exc)}
             status = exc.exit_code
-        record["stop"] = [trainer.epoch, trainer._epoch_step]
+        record["stop"] = [trainer.epoch, trainer.position.epoch_step]
         record["num_restarts"] = trainer.num_restarts
-        record["num_preemptions"] = trainer.num_preemptions
-        if not trainer._shut_down:  # PreemptedError shut it down already
+        record["num_drains"] = trainer.num_drains
+        if not trainer.loop.closed:  # RunStoppedError shut it down already
             trainer.shutdown(release_workers=True)
         record["leftovers"] = own_leftovers()
     except Exception:  # noqa: BLE001 - written for the orchestrator, which reports it
         record["error"] = traceback.format_exc()
         print(record["error"], file=sys.stderr, flush=True)
-        if trainer is not None and not trainer._shut_down:
+        if trainer is not None and not trainer.loop.closed:
             try:
                 trainer.shutdown(force=True)
             except Exception:  # noqa: BLE001 - the error above is the one reported

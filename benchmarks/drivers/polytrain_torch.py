@@ -52,9 +52,10 @@ class PhaseTrainer(TorchTrainer):
 
     marks: dict[str, float] = {}
 
-    def _setup_workers(self, group: Any) -> None:
+    def setup_workers(self, group: Any) -> None:
+        """The run loop's set-up hook, called once the backend connected the workers."""
         PhaseTrainer.marks.setdefault("rendezvous_done", time.time())
-        super()._setup_workers(group)
+        super().setup_workers(group)
         PhaseTrainer.marks.setdefault("setup_done", time.time())
 
 

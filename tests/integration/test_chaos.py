@@ -108,8 +108,8 @@ def test_drains_move_off_the_node(chaos):
     for fault in drains:
         assert fault["accepted"][0] is True, fault  # the GCS took the drain request
         assert fault["rollbacks"] == 0 and fault["steps_lost"] == 0, fault
-    preemptions = sum(s.get("num_preemptions", 0) for s in chaos["chaos"]["segments"])
-    assert preemptions == len(drains)
+    counted = sum(s.get("num_drains", 0) for s in chaos["chaos"]["segments"])
+    assert counted == len(drains)
 
 
 def test_nothing_is_left_behind(chaos):
