@@ -91,9 +91,8 @@ def save_local_state(
 ) -> dict[str, Any]:
     """Worker: write this rank's share of ``local`` to ``request.url`` (in the background if asked).
 
-    The one way from a framework's worker-side checkpoint module to the on-disk format
-    (:mod:`polytrain.checkpoint.directory`): the framework module says what the state
-    is, this writes it.
+    A framework's checkpoint module says what the state is; this writes it (its one way
+    to :mod:`polytrain.checkpoint.directory`).
 
     Args:
         request: where, what, and whether asynchronously.
@@ -110,19 +109,11 @@ def save_local_state(
         write continues in the background), ``snapshot_s`` / ``write_s``, and
         ``previous_error`` when the previous background write failed.
     """
-    from polytrain.checkpoint.directory import (
-        meta_bytes,
-        meta_json,
-        plan_pieces,
-        snapshot,
-        write_part,
-    )
+    from polytrain.checkpoint.directory import plan_pieces, snapshot, write_part
     from polytrain.checkpoint.pieces import nbytes
 
     begin = time.perf_counter()
-    meta = None
-    if meta_state is not None:
-        meta = (meta_json if meta_format == "json" else meta_bytes)(meta_state)
+    meta = _meta_file(meta_state, meta_format)
     previous = writer().wait()
     mine = plan_pieces(local.pieces, rank, world_size)
     total = sum(nbytes(p.tensor) for p in mine)
@@ -134,8 +125,7 @@ def save_local_state(
         "waited_s": previous["waited_s"],
     }
     if previous["error"]:
-        result["previous_error"] = previous["error"]
-        result["previous_path"] = previous["path"]
+        result.update(previous_error=previous["error"], previous_path=previous["path"])
     if request.asynchronous:
         frozen = snapshot(mine, copy=True, staging=writer().staging)
         result["snapshot_s"] = time.perf_counter() - begin
@@ -153,6 +143,15 @@ def save_local_state(
         logger.error("Checkpoint write failed on rank %d: %s", rank, result["error"])
     result["write_s"] = time.perf_counter() - begin
     return result
+
+
+def _meta_file(meta_state: dict[str, Any] | None, meta_format: str) -> tuple[str, bytes] | None:
+    """Rank 0's meta file (name, bytes): ``meta.pt`` or ``meta.json``; None on the other ranks."""
+    if meta_state is None:
+        return None
+    from polytrain.checkpoint.directory import meta_bytes, meta_json
+
+    return (meta_json if meta_format == "json" else meta_bytes)(meta_state)
 
 
 def describe_write_error(url: str, exc: BaseException) -> str:
