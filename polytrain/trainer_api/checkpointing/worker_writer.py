@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from polytrain.errors import CheckpointError
@@ -96,7 +97,7 @@ def save_local_state(
 
     Args:
         request: where, what, and whether asynchronously.
-        rank: this worker's rank; ``world_size`` ranks write.
+        rank: this worker's rank, of ``world_size``.
         world_size: the number of ranks.
         local: this rank's pieces (and, on rank 0, the skeleton already inside ``meta_state``).
         meta_state: rank 0: the checkpoint's meta (envelope, skeleton, trainer state);
@@ -116,21 +117,15 @@ def save_local_state(
     meta = _meta_file(meta_state, meta_format)
     previous = writer().wait()
     mine = plan_pieces(local.pieces, rank, world_size)
-    total = sum(nbytes(p.tensor) for p in mine)
-    result: dict[str, Any] = {
-        "path": request.url,
-        "rank": rank,
-        "bytes": total,
-        "pending": request.asynchronous,
-        "waited_s": previous["waited_s"],
-    }
+    result: dict[str, Any] = {"path": request.url, "rank": rank, "pending": request.asynchronous}
+    result.update(bytes=sum(nbytes(p.tensor) for p in mine), waited_s=previous["waited_s"])
     if previous["error"]:
         result.update(previous_error=previous["error"], previous_path=previous["path"])
-    if request.asynchronous:
+    if request.asynchronous:  # copy to host memory now, write in the background
         frozen = snapshot(mine, copy=True, staging=writer().staging)
         result["snapshot_s"] = time.perf_counter() - begin
         writer().start(
-            request.url, lambda: write_part(request, rank, world_size, frozen, meta, rng)
+            request.url, partial(write_part, request, rank, world_size, frozen, meta, rng)
         )
         return result
     try:
