@@ -1,4 +1,9 @@
-"""Ray-side helpers of the worker group: feasibility and placement errors, failure reports."""
+"""Ray-side helpers of the worker group: feasibility and placement errors, failure reports.
+
+Ray is imported inside the functions, which only a Ray worker group calls: the
+scaling policies import this module, and a process without Ray (local mode under
+``torchrun``, the GPU check's node) imports those.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,6 @@ import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from polytrain.errors import (
     InsufficientResourcesError,
@@ -18,7 +20,6 @@ from polytrain.errors import (
     worker_error_like,
 )
 from polytrain.launchers.cluster import autoscaler
-from polytrain.launchers.cluster.connect import format_resources
 from polytrain.launchers.ranks import WorkerMetadata
 
 __all__ = [
@@ -36,6 +37,8 @@ _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 def describe_failure(exc: BaseException, rank: int, meta: WorkerMetadata | None) -> WorkerError:
     """A failed Ray call of worker ``rank`` as a :class:`WorkerError` (or :class:`WorkerDiedError`)."""
+    from ray.exceptions import RayActorError, RayTaskError
+
     where = f" (pid {meta.pid} on {meta.node_ip})" if meta else ""
     if isinstance(exc, RayActorError):
         return WorkerDiedError(
@@ -65,6 +68,8 @@ def trial_placement_group(num_workers: int) -> Any:
     ``num_workers`` bundles (a new placement group could never be placed while the
     trial holds the resources).
     """
+    import ray
+
     current = ray.util.get_current_placement_group()
     if current is not None and len(current.bundle_specs) >= num_workers:
         return current
@@ -77,6 +82,10 @@ def check_feasible(bundle: dict[str, float], requested: str) -> None:
     Raises:
         InsufficientResourcesError: naming the resource, the cluster's and what to do.
     """
+    import ray
+
+    from polytrain.launchers.cluster.connect import format_resources
+
     total = ray.cluster_resources()
     for resource, amount in bundle.items():
         if total.get(resource, 0.0) < amount:
@@ -94,6 +103,10 @@ def check_feasible(bundle: dict[str, float], requested: str) -> None:
 
 def not_placed_error(requested: str, start_timeout_s: float) -> InsufficientResourcesError:
     """The error for workers not placed in time, with the cluster's free and total resources."""
+    import ray
+
+    from polytrain.launchers.cluster.connect import format_resources
+
     available = ray.available_resources()
     total = ray.cluster_resources()
     return InsufficientResourcesError(
@@ -118,6 +131,8 @@ def wait_until_placed(
     """
     timeout = autoscaler.start_timeout(start_timeout_s, shape)
     if shape is None:
+        import ray
+
         return bool(ray.wait([ready], timeout=timeout)[0])
     return autoscaler.wait_for_nodes(
         ready,
@@ -144,6 +159,8 @@ def classify_failure(
     an application error. A peer that does not answer the probe twice (a stopped
     or frozen process) is blamed the same way, as a hung worker.
     """
+
+    from ray.exceptions import RayActorError
 
     def meta(r: int) -> WorkerMetadata | None:
         return metadata[r] if 0 <= r < len(metadata) else None
@@ -179,6 +196,8 @@ def classify_failure(
 
 def _silent_ranks(answers: Sequence[Any], failed_rank: int) -> set[int]:
     """The ranks other than ``failed_rank`` whose liveness probe timed out."""
+    from ray.exceptions import GetTimeoutError
+
     return {
         other
         for other, answer in enumerate(answers)
@@ -195,6 +214,8 @@ def request_workers(bundle: Mapping[str, float], count: int) -> bool:
     (nothing is pending). Each call replaces the previous ask. Returns False (and asks
     nothing) when no autoscaler is visible.
     """
+    import ray
+
     if not ray.is_initialized():
         return False
     if autoscaler.read_cluster_shape() is None and not autoscaler.autoscaler_runs():
