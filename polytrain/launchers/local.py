@@ -2,6 +2,13 @@
 
 For debugging: breakpoints, ``pdb`` and profilers work in creators and operators,
 and exceptions propagate unchanged.
+
+Under ``torchrun`` with ``WORLD_SIZE=1`` (:mod:`polytrain.launchers.torchrun`) the one
+worker is rank 0 of torchrun's world: it computes on ``LOCAL_RANK``'s device and the
+backend's rendezvous joins torchrun's process group, so the backends wrap and shard
+as in any worker. Several torchrun processes are refused here: each would drive its
+own copy of the run (the function API, :mod:`polytrain.train.local`, joins a world of
+any size).
 """
 
 from __future__ import annotations
@@ -11,8 +18,10 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from polytrain.errors import ConfigError
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.ranks import RankInfo, WorkerMetadata, compute_ranks
+from polytrain.launchers.torchrun import TorchrunWorld, torchrun_world
 from polytrain.launchers.worker import Worker
 
 
@@ -33,10 +42,15 @@ class LocalWorkerGroup(WorkerGroup):
 
     Args:
         env_vars: environment the worker would start with.
+
+    Attributes:
+        torchrun: the torchrun world this process is rank 0 of (None: not under torchrun),
+            set by :meth:`start`.
     """
 
     def __init__(self, env_vars: dict[str, str] | None = None) -> None:
         self.env_vars = dict(env_vars or {})
+        self.torchrun: TorchrunWorld | None = None
         self._saved_env: dict[str, str | None] = {}
         self.worker = Worker.__new__(Worker)  # no __init__: leave the driver's priority alone
         self.actors = [self.worker]
@@ -45,12 +59,30 @@ class LocalWorkerGroup(WorkerGroup):
         self.device_indices = [-1]
 
     def start(self) -> None:
-        """Set the workers' environment in this process."""
+        """Set the workers' environment in this process.
+
+        Raises:
+            ConfigError: this process is one of several torchrun processes.
+        """
+        world = torchrun_world()
+        if world is not None and world.world_size > 1:
+            raise ConfigError(
+                f"Local mode (num_workers=0) runs under torchrun only with WORLD_SIZE=1; this "
+                f"process is {world.describe()}, and each of the {world.world_size} processes "
+                f"would drive its own copy of the run. Start one process (torchrun "
+                f"--nproc-per-node 1), run your own loop with the function API "
+                f"(polytrain.train.torch.TorchTrainer(train_loop_per_worker, scaling_config="
+                f"ScalingConfig(num_workers=0)) joins a torchrun world of any size), or set "
+                f"num_workers to the number of workers (Ray actors)."
+            )
+        self.torchrun = world
         for key, value in self.env_vars.items():
             self._saved_env.setdefault(key, os.environ.get(key))
             os.environ[key] = value
         self.metadata = [WorkerMetadata("local", "127.0.0.1", socket.gethostname(), os.getpid())]
         self.rank_infos = compute_ranks(["local"])
+        if world is not None:  # torchrun's convention: the process computes on LOCAL_RANK's GPU
+            self.device_indices = [world.local_rank]
 
     def __len__(self) -> int:
         return 1

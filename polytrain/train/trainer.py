@@ -31,6 +31,7 @@ from polytrain.compat.deprecation import DRAIN_WORD, renamed
 from polytrain.errors import ConfigTypeError
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.scaling import ScalingConfig
+from polytrain.launchers.torchrun import torchrun_world
 from polytrain.runs.loop import RunLoop
 from polytrain.runs.policies.drain import DrainPolicy
 from polytrain.runs.policies.failure import FailurePolicy
@@ -41,6 +42,7 @@ from polytrain.train.board import ReportBoard
 from polytrain.train.checkpoint import Checkpoint
 from polytrain.train.config import DEFAULT_STORAGE_PATH, RunConfig, coerce
 from polytrain.train.feed import ReportFeed, Sink, TrackerSink, public
+from polytrain.train.local import fit_under_torchrun
 from polytrain.train.preemption import LoopStopped, PreemptionInfo
 from polytrain.train.result import Result
 from polytrain.trainer_api.options.configs import coerce_config
@@ -422,6 +424,8 @@ class DataParallelTrainer:
             WorkerError: the loop raised on a worker (its rank and traceback attached), or
                 workers died more often than ``FailureConfig.max_failures`` allows.
         """
+        if self.scaling_config.local_mode and torchrun_world() is not None:
+            return fit_under_torchrun(self)  # one rank of torchrun's world, no Ray
         self._make_board()
         trackers = self._make_feed()
         self._runner: _LoopRunner | None = None

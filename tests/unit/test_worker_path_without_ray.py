@@ -20,6 +20,7 @@ WORKER_MODULES = (
     "polytrain",
     "polytrain.train",
     "polytrain.train.torch",
+    "polytrain.train.local",
     "polytrain.trainer_api.torch.trainer",
     "polytrain.backends.registry",
     "polytrain.backends.core.step_options",

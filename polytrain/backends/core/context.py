@@ -87,13 +87,18 @@ class WorkerContext:
             timeout_s: the timeout of one collective.
             step: the training step's options (its mixed ``precision`` turns ``use_fp16`` on).
         """
+        from polytrain.launchers.torchrun import torchrun_world
+
         step = step if step is not None else StepOptions()
+        # Local mode under torchrun: the in-process worker is a rank of torchrun's world,
+        # in its process group, so the backends wrap and shard as in any worker.
+        local_mode = scaling.local_mode and torchrun_world() is None
         return cls(
             world_size=max(world_size if world_size is not None else scaling.world_size, 1),
             use_gpu=scaling.use_gpu,
             use_fp16=use_fp16 or step.mixed,
             num_cpus=int(scaling.num_cpus_per_worker) or 1,
-            local_mode=scaling.local_mode,
+            local_mode=local_mode,
             timeout_s=timeout_s,
             step=step,
         )

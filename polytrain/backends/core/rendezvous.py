@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from polytrain.errors import ConfigError
+
 if TYPE_CHECKING:
     from polytrain.backends.core.context import WorkerContext
     from polytrain.launchers.base import WorkerGroup
@@ -40,6 +42,25 @@ class Rendezvous:
 
     def on_shutdown(self, group: WorkerGroup) -> None:
         """Driver: release what :meth:`on_start` set up. Must tolerate dead workers."""
+
+    def refuse_torchrun(self, group: WorkerGroup, backend: str, instead: str) -> None:
+        """Driver: refuse local mode under torchrun for a backend with a rendezvous of its own.
+
+        Local mode in a process torchrun started joins torchrun's process group
+        (:mod:`polytrain.launchers.torchrun`); a backend whose workers meet another way
+        (Horovod's rendezvous server, TensorFlow's ``TF_CONFIG``) cannot join it.
+
+        Raises:
+            ConfigError: ``group`` runs under torchrun.
+        """
+        world = getattr(group, "torchrun", None)
+        if world is None:
+            return
+        raise ConfigError(
+            f"backend {backend!r} cannot run in local mode (num_workers=0) under torchrun "
+            f"(this process is {world.describe()}): its workers do not meet through torchrun's "
+            f"process group. {instead}"
+        )
 
     def shutdown(self, group: WorkerGroup) -> None:
         """Driver: :meth:`on_shutdown`, never raising (a group with dead workers is shut down too)."""

@@ -7,6 +7,7 @@ torch there.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -103,6 +104,47 @@ def _init_process_group(
     )
 
 
+def join_torchrun_process_group(
+    dist_backend: str, timeout_s: float, device_index: int | None = None
+) -> None:
+    """Worker: the default process group over torchrun's world (``init_method="env://"``).
+
+    What local mode does in a process that torchrun started: torchrun's variables
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) name the world, and its store
+    the rendezvous. A process group the caller already started is used as it is.
+    The group stays for the life of the process (destroyed at exit), and later
+    trainers in the process use it: torch names a re-created default group as it
+    named the first, and the ranks of a second rendezvous under the same names in
+    torchrun's store could read the first one's stale addresses and hang.
+
+    Args:
+        dist_backend: "nccl" or "gloo".
+        timeout_s: the timeout of one collective.
+        device_index: the CUDA device to bind first (NCCL's communicators bind the
+            current device); None on CPU.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if device_index is not None:
+        torch.cuda.set_device(device_index)
+    if dist.is_initialized():
+        return
+    dist.init_process_group(
+        backend=dist_backend,
+        init_method="env://",
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _destroy_process_group() -> None:
     import torch.distributed as dist
 
@@ -126,11 +168,17 @@ def start_process_group(
     Rank 0 starts the rendezvous store on a port its OS picks (no free-port race),
     the others connect to it; every worker also gets the torchrun environment
     (MASTER_ADDR, RANK, LOCAL_RANK, ...) with that address, which libraries such as
-    DeepSpeed read. Local mode (one in-process worker) starts none.
+    DeepSpeed read. Local mode (one in-process worker) starts none, unless torchrun
+    started the process: then the worker joins torchrun's process group.
     """
+    dist_backend = dist_backend or default_dist_backend(ctx.use_gpu)
+    world = getattr(group, "torchrun", None)  # a LocalWorkerGroup under torchrun
+    if world is not None:
+        device = world.local_rank if ctx.use_gpu else None
+        group.execute(join_torchrun_process_group, dist_backend, ctx.timeout_s, device)
+        return
     if ctx.local_mode:
         return
-    dist_backend = dist_backend or default_dist_backend(ctx.use_gpu)
     master_addr = group.metadata[0].node_ip
     master_port = group.execute_single(0, _start_store, master_addr, ctx.timeout_s)
     refs = [

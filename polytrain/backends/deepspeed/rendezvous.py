@@ -106,6 +106,9 @@ class DeepSpeedRendezvous(TorchDistributedRendezvous):
     def on_shutdown(self, group: WorkerGroup) -> None:
         """Driver: destroy the process groups (dead workers are fine); restore local env."""
         if self._local is None:
+            if getattr(group, "torchrun", None) is not None:
+                # One process, later trainers in it: DeepSpeed's cached sub-groups go first.
+                group.execute_best_effort(forget_deepspeed_groups)
             super().on_shutdown(group)
             return
         saved, created = self._local

@@ -193,6 +193,11 @@ class HorovodRendezvous(Rendezvous):
         In local mode ``hvd.init()`` runs in the one (in-process) worker with size 1
         and no environment is changed; a Horovod the user started is used as it is.
         """
+        self.refuse_torchrun(
+            group,
+            "horovod",
+            "Start the script with horovodrun, or leave torchrun and set num_workers.",
+        )
         self._local_mode = ctx.local_mode
         if self._local_mode:
             self._owns_local_init = bool(group.execute_single(0, _init_local))

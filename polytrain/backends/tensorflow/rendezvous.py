@@ -192,6 +192,11 @@ class TFConfigRendezvous(Rendezvous):
         when it is created, and collective ops must be configured before TensorFlow's
         runtime starts. Local mode needs no cluster.
         """
+        self.refuse_torchrun(
+            group,
+            "mwms",
+            "Run the script as one process (python script.py), or set num_workers.",
+        )
         if ctx.local_mode:
             return
         addresses = cluster_addresses(group)
