@@ -35,6 +35,12 @@ _ENV_ALLOWED_TO_CHANGE = (
 )
 
 
+def _worker_pythonpath() -> str:
+    """The checkout first, then whatever the driver's PYTHONPATH holds."""
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys([str(REPO_ROOT), *extra]))
+
+
 @pytest.fixture(scope="session")
 def ray_start_4_cpus():
     """One local Ray instance with 4 logical CPUs, shared by every test that needs Ray."""
@@ -45,7 +51,8 @@ def ray_start_4_cpus():
             num_cpus=4,
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
-            runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
+            # The driver's PYTHONPATH too: Ray itself may live there (the GPU check's node).
+            runtime_env={"env_vars": {"PYTHONPATH": _worker_pythonpath()}},
             configure_logging=False,
         )
     yield ray

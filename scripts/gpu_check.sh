@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# The offline GPU check: polytrain's GPU paths on a bare CUDA machine (docs/gpu-check.md).
+#
+# Where the package registries are (a checkout with `make setup` done):
+#   scripts/gpu_check.sh prepare [--out gpu_bundle]      the bundle: polytrain, DeepSpeed, fairscale
+#                                                        and what the node lacks (<= 60 MiB, manifest)
+#   scripts/gpu_check.sh ray-prepare [--out ray_bundle]  the optional second bundle: Ray's wheel in
+#                                                        parts of <= 60 MiB, and Ray's missing needs
+# On the GPU node (no network):
+#   gpu_check.sh run [--bundle DIR] [--site DIR] [run options]
+#                                                        checks the bundle, installs it into a
+#                                                        temporary folder (or --site, kept), runs
+#                                                        the check (~6-8 min on one H100)
+#   gpu_check.sh ray-run --bundle DIR --ray DIR [pytest options]
+#                                                        joins Ray's parts, installs both bundles,
+#                                                        runs tests/gpu (a checkout: the tests are
+#                                                        not in the wheel)
+# Anywhere:
+#   scripts/gpu_check.sh results REPORT.json [--results-md benchmarks/RESULTS.md]
+#                                                        a dated section at the end of RESULTS.md
+# Run options (python -m polytrain.tools.gpu_check run --help): --device cpu|cuda, --out DIR,
+# --only ddp,fsdp2,..., --precisions bf16,fp16, --no-compile, --budget-s S, --peak-tflops X.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/.." && pwd)"
+if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"
+elif [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"
+else PY=python3
+fi
+
+log() { printf '==> %s\n' "$*" >&2; }
+die() { printf 'gpu_check.sh: %s\n' "$*" >&2; exit 2; }
+
+# The bundle folder: --bundle DIR, else the folder this script sits in when it holds a
+# bundle (the script travels inside it), else ./gpu_bundle.
+default_bundle() {
+  if [ -f "$HERE/manifest.json" ]; then echo "$HERE"; else echo "$PWD/gpu_bundle"; fi
+}
+
+# Check every file of a bundle against its SHA256SUMS (sha256sum -c), then install its wheels
+# offline into $2 (a folder put first on PYTHONPATH later): nothing outside $2 changes.
+install_bundle() {
+  local bundle="$1" target="$2" began=$SECONDS
+  [ -f "$bundle/SHA256SUMS" ] || die "$bundle has no SHA256SUMS: not a bundle (run prepare)"
+  (cd "$bundle" && sha256sum -c --quiet SHA256SUMS) || die "$bundle: a file does not match SHA256SUMS"
+  "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
+    --target "$target" "$bundle"/*.whl
+  log "installed $(ls "$bundle"/*.whl | wc -l) wheels from $bundle into $target in $((SECONDS - began)) s"
+}
+
+cmd_prepare() {
+  cd "$ROOT"
+  PYTHONPATH="$ROOT" "$PY" -m polytrain.tools.gpu_check prepare "$@"
+}
+
+cmd_ray_prepare() {
+  local out=ray_bundle
+  if [ "${1:-}" = "--out" ]; then out="$2"; shift 2; fi
+  cd "$ROOT"
+  PYTHONPATH="$ROOT" "$PY" -m polytrain.tools.gpu_check prepare --ray --out "$out" "$@"
+}
+
+cmd_run() {
+  local bundle out="$PWD/gpu_check_out" site="" args=()
+  bundle="$(default_bundle)"
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --bundle) bundle="$2"; shift 2 ;;
+      --out) out="$2"; shift 2 ;;
+      --site) site="$2"; shift 2 ;;  # install there and keep it (default: a temporary folder)
+      *) args+=("$1"); shift ;;
+    esac
+  done
+  bundle="$(cd "$bundle" && pwd)"
+  mkdir -p "$out"; out="$(cd "$out" && pwd)"
+  local target
+  if [ -n "$site" ]; then
+    mkdir -p "$site"; target="$(cd "$site" && pwd)"
+  else
+    target="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX")"
+    trap 'rm -rf "$target"' EXIT
+  fi
+  install_bundle "$bundle" "$target"
+  export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
+  # Away from any checkout: the bundle's polytrain is the one imported.
+  cd "$out"
+  "$PY" -c 'import polytrain, sys; print("polytrain", polytrain.__version__, "from", polytrain.__file__, file=sys.stderr)'
+  "$PY" -m polytrain.tools.gpu_check run --out "$out" "${args[@]}"
+}
+
+cmd_ray_run() {
+  local bundle ray="" args=()
+  bundle="$(default_bundle)"
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --bundle) bundle="$2"; shift 2 ;;
+      --ray) ray="$2"; shift 2 ;;
+      *) args+=("$1"); shift ;;
+    esac
+  done
+  [ -n "$ray" ] || die "ray-run needs --ray DIR (the folder with Ray's parts: ray-prepare)"
+  [ -f "$ROOT/tests/gpu/test_gpu.py" ] || die "ray-run runs tests/gpu of a checkout; $ROOT has none"
+  local target wheels; target="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX")"
+  wheels="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_ray.XXXXXX")"
+  trap 'rm -rf "$target" "$wheels"' EXIT
+  install_bundle "$bundle" "$target"
+  local began=$SECONDS
+  (cd "$ray" && sha256sum -c --quiet SHA256SUMS) || die "$ray: a file does not match SHA256SUMS"
+  PYTHONPATH="$target" "$PY" -m polytrain.tools.gpu_check join "$ray" --out "$wheels" >/dev/null
+  cp "$ray"/*.whl "$wheels"/
+  "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
+    --target "$target" "$wheels"/*.whl
+  log "joined and installed Ray from $ray in $((SECONDS - began)) s"
+  # tests/conftest.py hands the driver's PYTHONPATH to Ray's workers (Ray lives in $target).
+  cd "$ROOT"
+  PYTHONPATH="$target:$ROOT" "$PY" -c 'import ray; print("ray", ray.__version__, "from", ray.__file__)'
+  PYTHONPATH="$target:$ROOT" "$PY" -m pytest tests/gpu -q -rA -p no:cacheprovider "${args[@]}"
+}
+
+cmd_results() {
+  cd "$ROOT"
+  PYTHONPATH="$ROOT" "$PY" -m polytrain.tools.gpu_check results "$@"
+}
+
+case "${1:-}" in
+  prepare) shift; cmd_prepare "$@" ;;
+  ray-prepare) shift; cmd_ray_prepare "$@" ;;
+  run) shift; cmd_run "$@" ;;
+  ray-run) shift; cmd_ray_run "$@" ;;
+  results) shift; cmd_results "$@" ;;
+  *) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 2 ;;
+esac
