@@ -48,6 +48,14 @@ def test_token_data_is_learnable_and_the_same_everywhere():
     assert row.max() < wl.SIZES["tiny"]["vocab"]
 
 
+def test_timed_steps_run_in_chunks_and_the_median_chunk_counts():
+    assert wl.Workload(timed_steps=21).chunk_sizes() == [7, 7, 7]
+    assert wl.Workload(timed_steps=7).chunk_sizes() == [3, 2, 2]
+    assert wl.Workload(timed_steps=2).chunk_sizes() == [1, 1]
+    assert wl.timing([0.05, 0.09, 0.051]) == {"step_s": 0.051, "chunk_step_s": [0.05, 0.09, 0.051]}
+    assert wl.timing([0.04, 0.06])["step_s"] == pytest.approx(0.05)
+
+
 def test_flops_and_mfu():
     load = wl.Workload()
     params = 124_000_000

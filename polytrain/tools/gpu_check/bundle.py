@@ -313,6 +313,11 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="polytrain's wheel alone (no DeepSpeed, fairscale or their needs)",
     )
+    p.add_argument(
+        "--python-version",
+        default=PYTHON_VERSION,
+        help=f"the target's Python, for compiled wheels (default {PYTHON_VERSION})",
+    )
     v = commands.add_parser("verify", help="check a bundle against its manifest")
     v.add_argument("folder")
     s = commands.add_parser("split", help="cut a file into parts of at most --max-mib")

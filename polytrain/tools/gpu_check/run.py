@@ -31,9 +31,9 @@ from polytrain.tools.gpu_check import workload as wl
 #: Defaults per device: the model, precisions, compile, the time budget (seconds).
 DEFAULTS = {
     "cuda": {"size": "gpt2-124m", "batch": 16, "precisions": "bf16,fp16", "compile": True,
-             "budget_s": 480.0, "case_timeout_s": 240.0, "timed_steps": 20},
+             "budget_s": 480.0, "case_timeout_s": 240.0, "timed_steps": 21},
     "cpu": {"size": "tiny", "batch": 4, "precisions": "fp32,bf16", "compile": False,
-            "budget_s": 240.0, "case_timeout_s": 120.0, "timed_steps": 5},
+            "budget_s": 240.0, "case_timeout_s": 120.0, "timed_steps": 6},
 }  # fmt: skip
 
 
@@ -83,6 +83,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    for name in ("check_steps", "timed_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     args.precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
     bad = set(args.precisions) - set(plan_cases.TOLERANCES)
     if bad:

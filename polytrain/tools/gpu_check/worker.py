@@ -83,18 +83,20 @@ def polytrain_steps(case: Case, workload: wl.Workload, device: str) -> dict[str,
                 first_step_s = time.perf_counter() - began
         if workload.warmup_steps:
             trainer.train(num_steps=workload.warmup_steps)
-        wl.synchronize(device)
-        began = time.perf_counter()
-        stats = trainer.train(num_steps=workload.timed_steps)
-        wl.synchronize(device)
-        step_s = (time.perf_counter() - began) / max(workload.timed_steps, 1)
-        if stats.get("num_steps") != workload.timed_steps:
-            raise RuntimeError(f"timed {stats.get('num_steps')} steps, not {workload.timed_steps}")
+        chunks = []
+        for size in workload.chunk_sizes():
+            wl.synchronize(device)
+            began = time.perf_counter()
+            stats = trainer.train(num_steps=size)
+            wl.synchronize(device)
+            chunks.append((time.perf_counter() - began) / size)
+            if stats.get("num_steps") != size:
+                raise RuntimeError(f"timed {stats.get('num_steps')} steps, not {size}")
     finally:
         trainer.shutdown()
     return {
         "losses": losses,
-        "step_s": step_s,
+        **wl.timing(chunks),
         "setup_s": setup_s,
         "first_step_s": first_step_s,
         "model_class": wrapped,

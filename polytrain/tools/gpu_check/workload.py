@@ -29,6 +29,9 @@ DATA_SEED = 4321
 #: Distinct token ids the data cycles through.
 CYCLE = 2048
 LR = 1e-3
+#: The timed steps run as this many chunks, each timed apart; tokens/s comes from the
+#: median chunk (one slow chunk, a clock change or a hiccup, does not move it).
+TIMED_CHUNKS = 3
 
 #: Model shapes: GPT-2 small (124M, the check on a GPU) and a tiny one (the CPU run).
 SIZES: dict[str, dict[str, int]] = {
@@ -54,7 +57,7 @@ class Workload:
     batch: int = 16
     check_steps: int = 4
     warmup_steps: int = 2
-    timed_steps: int = 20
+    timed_steps: int = 21
     seq: int = 0
 
     @property
@@ -66,6 +69,11 @@ class Workload:
     def steps(self) -> int:
         """All steps of one case: the data set holds exactly this many batches."""
         return self.check_steps + self.warmup_steps + self.timed_steps
+
+    def chunk_sizes(self) -> list[int]:
+        """The timed steps in :data:`TIMED_CHUNKS` chunks, timed apart (their median counts)."""
+        count = min(TIMED_CHUNKS, self.timed_steps)
+        return [self.timed_steps // count + (i < self.timed_steps % count) for i in range(count)]
 
     @property
     def tokens_per_step(self) -> int:
@@ -232,7 +240,7 @@ def plain_steps(
     """The plain single-device loop: what polytrain's numbers are compared against.
 
     Returns:
-        ``losses`` (the check steps), ``step_s`` (mean seconds of a timed step),
+        ``losses`` (the check steps), ``step_s`` and ``chunk_step_s`` (:func:`timing`),
         ``setup_s`` (model, optimizer, compile wrapper) and ``first_step_s``.
     """
     import torch
@@ -272,13 +280,23 @@ def plain_steps(
             first_step_s = time.perf_counter() - began
     for _ in range(workload.warmup_steps):
         step()
-    synchronize(device)
-    began = time.perf_counter()
-    for _ in range(workload.timed_steps):
-        step()
-    synchronize(device)
-    step_s = (time.perf_counter() - began) / max(workload.timed_steps, 1)
-    return {"losses": losses, "step_s": step_s, "setup_s": setup_s, "first_step_s": first_step_s}
+    chunks = []
+    for size in workload.chunk_sizes():
+        synchronize(device)
+        began = time.perf_counter()
+        for _ in range(size):
+            step()
+        synchronize(device)
+        chunks.append((time.perf_counter() - began) / size)
+    return {"losses": losses, **timing(chunks), "setup_s": setup_s, "first_step_s": first_step_s}
+
+
+def timing(chunks: list[float]) -> dict[str, Any]:
+    """``step_s``: the median of the chunks' mean step times; ``chunk_step_s``: each of them."""
+    ordered = sorted(chunks)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return {"step_s": median, "chunk_step_s": chunks}
 
 
 def relative_differences(losses: list[float], reference: list[float]) -> list[float]:
