@@ -11,7 +11,7 @@
 #                                                        checks the bundle, installs it into a
 #                                                        temporary folder (or --site, kept), runs
 #                                                        the check (~6-8 min on one H100)
-#   gpu_check.sh ray-run --bundle DIR --ray DIR [pytest options]
+#   gpu_check.sh ray-run --bundle DIR --ray DIR [--site DIR] [pytest options]
 #                                                        joins Ray's parts, installs both bundles,
 #                                                        runs tests/gpu (a checkout: the tests are
 #                                                        not in the wheel)
@@ -30,6 +30,9 @@ else PY=python3
 fi
 
 log() { printf '==> %s\n' "$*" >&2; }
+# Temporary folders to delete at exit (a global: the trap runs after the functions return).
+CLEANUP=()
+trap 'if [ ${#CLEANUP[@]} -gt 0 ]; then rm -rf "${CLEANUP[@]}"; fi' EXIT
 die() { printf 'gpu_check.sh: %s\n' "$*" >&2; exit 2; }
 
 # The bundle folder: --bundle DIR, else the folder this script sits in when it holds a
@@ -79,7 +82,7 @@ cmd_run() {
     mkdir -p "$site"; target="$(cd "$site" && pwd)"
   else
     target="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX")"
-    trap 'rm -rf "$target"' EXIT
+    CLEANUP+=("$target")
   fi
   install_bundle "$bundle" "$target"
   export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
@@ -90,32 +93,41 @@ cmd_run() {
 }
 
 cmd_ray_run() {
-  local bundle ray="" args=()
+  local bundle ray="" site="" args=()
   bundle="$(default_bundle)"
   while [ $# -gt 0 ]; do
     case "$1" in
       --bundle) bundle="$2"; shift 2 ;;
       --ray) ray="$2"; shift 2 ;;
+      --site) site="$2"; shift 2 ;;
       *) args+=("$1"); shift ;;
     esac
   done
   [ -n "$ray" ] || die "ray-run needs --ray DIR (the folder with Ray's parts: ray-prepare)"
   [ -f "$ROOT/tests/gpu/test_gpu.py" ] || die "ray-run runs tests/gpu of a checkout; $ROOT has none"
-  local target wheels; target="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX")"
+  local target wheels
   wheels="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_ray.XXXXXX")"
-  trap 'rm -rf "$target" "$wheels"' EXIT
+  CLEANUP+=("$wheels")
+  if [ -n "$site" ]; then
+    mkdir -p "$site"; target="$(cd "$site" && pwd)"
+  else
+    target="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX")"
+    CLEANUP+=("$target")
+  fi
   install_bundle "$bundle" "$target"
   local began=$SECONDS
   (cd "$ray" && sha256sum -c --quiet SHA256SUMS) || die "$ray: a file does not match SHA256SUMS"
-  PYTHONPATH="$target" "$PY" -m polytrain.tools.gpu_check join "$ray" --out "$wheels" >/dev/null
+  PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PY" -m polytrain.tools.gpu_check join "$ray" --out "$wheels" >/dev/null
   cp "$ray"/*.whl "$wheels"/
   "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
     --target "$target" "$wheels"/*.whl
   log "joined and installed Ray from $ray in $((SECONDS - began)) s"
   # tests/conftest.py hands the driver's PYTHONPATH to Ray's workers (Ray lives in $target).
   cd "$ROOT"
-  PYTHONPATH="$target:$ROOT" "$PY" -c 'import ray; print("ray", ray.__version__, "from", ray.__file__)'
-  PYTHONPATH="$target:$ROOT" "$PY" -m pytest tests/gpu -q -rA -p no:cacheprovider "${args[@]}"
+  export PYTHONPATH="$target:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  "$PY" -c 'import ray, sys; print("ray", ray.__version__, "from", ray.__file__, file=sys.stderr)'
+  "$PY" -m pytest tests/gpu -q -rA -p no:cacheprovider "${args[@]}"
 }
 
 cmd_results() {

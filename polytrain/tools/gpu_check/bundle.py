@@ -251,23 +251,22 @@ def join(folder: Path, out: Path) -> Path:
     return target
 
 
-def prepare_ray(out: Path) -> dict[str, Any]:
+def prepare_ray(out: Path, python_version: str = PYTHON_VERSION) -> dict[str, Any]:
     """The second bundle: Ray's wheel in parts of at most 60 MiB and Ray's missing dependencies."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as scratch:
-        wheel = download(Path(scratch), f"{RAY[0]}=={RAY[1]}")
+        wheel = download(Path(scratch), f"{RAY[0]}=={RAY[1]}", python_version)
         parts = split(wheel, out)
     entries = [{**p, "name": RAY[0], "version": RAY[1], "how": f"part of {wheel.name}"}
                for p in parts]  # fmt: skip
     for name in RAY_LACKS:
         version = _installed_version_or_none(name)
-        entries.append(
-            _entry(download(out, f"{name}=={version}" if version else name), "downloaded")
-        )
+        requirement = f"{name}=={version}" if version else name
+        entries.append(_entry(download(out, requirement, python_version), "downloaded"))
     # Each part travels alone (at most 60 MiB); the whole second bundle is larger.
-    manifest = {"bundle": "ray", "python": PYTHON_VERSION, "files": entries,
+    manifest = {"bundle": "ray", "python": python_version, "files": entries,
                 "total_mib": round(_mib(sum(e["size"] for e in entries)), 2),
                 "max_mib_per_file": MAX_MIB}  # fmt: skip
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -330,7 +329,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)  # fmt: skip
     if args.command == "prepare":
         if args.ray:
-            manifest = prepare_ray(Path(args.out))
+            manifest = prepare_ray(Path(args.out), args.python_version)
         else:
             manifest = prepare(Path(args.out), args.polytrain_only, args.python_version)
         for entry in manifest["files"]:
