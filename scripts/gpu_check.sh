@@ -64,70 +64,67 @@ cmd_ray_prepare() {
   PYTHONPATH="$ROOT" "$PY" -m polytrain.tools.gpu_check prepare --ray --out "$out" "$@"
 }
 
-cmd_run() {
-  local bundle out="$PWD/gpu_check_out" site="" args=()
-  bundle="$(default_bundle)"
+# The options of run and ray-run, into globals: BUNDLE, SITE, OUT, RAY, and ARGS (the rest,
+# passed on). $1 names the options this command takes besides --bundle and --site.
+parse_options() {
+  local takes="$1"; shift
+  BUNDLE="$(default_bundle)" SITE="" OUT="$PWD/gpu_check_out" RAY="" ARGS=()
   while [ $# -gt 0 ]; do
     case "$1" in
-      --bundle) bundle="$2"; shift 2 ;;
-      --out) out="$2"; shift 2 ;;
-      --site) site="$2"; shift 2 ;;  # install there and keep it (default: a temporary folder)
-      *) args+=("$1"); shift ;;
+      --bundle) BUNDLE="$2"; shift 2 ;;
+      --site) SITE="$2"; shift 2 ;;  # install there and keep it (default: a temporary folder)
+      --out|--ray)
+        [[ " $takes " == *" $1 "* ]] || die "this command takes no $1"
+        if [ "$1" = --out ]; then OUT="$2"; else RAY="$2"; fi
+        shift 2 ;;
+      *) ARGS+=("$1"); shift ;;
     esac
   done
-  bundle="$(cd "$bundle" && pwd)"
-  mkdir -p "$out"; out="$(cd "$out" && pwd)"
-  local target
-  if [ -n "$site" ]; then
-    mkdir -p "$site"; target="$(cd "$site" && pwd)"
+  BUNDLE="$(cd "$BUNDLE" && pwd)"
+}
+
+# Install BUNDLE into SITE, or into a temporary folder deleted at exit (SITE names it then).
+install_site() {
+  if [ -n "$SITE" ]; then
+    mkdir -p "$SITE"; SITE="$(cd "$SITE" && pwd)"
   else
-    target="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX")"
-    CLEANUP+=("$target")
+    SITE="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX")"
+    CLEANUP+=("$SITE")
   fi
-  install_bundle "$bundle" "$target"
-  export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
+  install_bundle "$BUNDLE" "$SITE"
+}
+
+cmd_run() {
+  parse_options "--out" "$@"
+  mkdir -p "$OUT"; OUT="$(cd "$OUT" && pwd)"
+  install_site
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
   # Away from any checkout: the bundle's polytrain is the one imported.
-  cd "$out"
+  cd "$OUT"
   "$PY" -c 'import polytrain, sys; print("polytrain", polytrain.__version__, "from", polytrain.__file__, file=sys.stderr)'
-  "$PY" -m polytrain.tools.gpu_check run --out "$out" "${args[@]}"
+  "$PY" -m polytrain.tools.gpu_check run --out "$OUT" "${ARGS[@]}"
 }
 
 cmd_ray_run() {
-  local bundle ray="" site="" args=()
-  bundle="$(default_bundle)"
-  while [ $# -gt 0 ]; do
-    case "$1" in
-      --bundle) bundle="$2"; shift 2 ;;
-      --ray) ray="$2"; shift 2 ;;
-      --site) site="$2"; shift 2 ;;
-      *) args+=("$1"); shift ;;
-    esac
-  done
-  [ -n "$ray" ] || die "ray-run needs --ray DIR (the folder with Ray's parts: ray-prepare)"
+  parse_options "--ray" "$@"
+  [ -n "$RAY" ] || die "ray-run needs --ray DIR (the folder with Ray's parts: ray-prepare)"
   [ -f "$ROOT/tests/gpu/test_gpu.py" ] || die "ray-run runs tests/gpu of a checkout; $ROOT has none"
-  local target wheels
+  install_site
+  local began=$SECONDS wheels
   wheels="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_ray.XXXXXX")"
   CLEANUP+=("$wheels")
-  if [ -n "$site" ]; then
-    mkdir -p "$site"; target="$(cd "$site" && pwd)"
-  else
-    target="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_site.XXXXXX")"
-    CLEANUP+=("$target")
-  fi
-  install_bundle "$bundle" "$target"
-  local began=$SECONDS
-  (cd "$ray" && sha256sum -c --quiet SHA256SUMS) || die "$ray: a file does not match SHA256SUMS"
-  PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}" \
-    "$PY" -m polytrain.tools.gpu_check join "$ray" --out "$wheels" >/dev/null
-  cp "$ray"/*.whl "$wheels"/
+  (cd "$RAY" && sha256sum -c --quiet SHA256SUMS) || die "$RAY: a file does not match SHA256SUMS"
+  PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PY" -m polytrain.tools.gpu_check join "$RAY" --out "$wheels" >/dev/null
+  cp "$RAY"/*.whl "$wheels"/
   "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
-    --target "$target" "$wheels"/*.whl
-  log "joined and installed Ray from $ray in $((SECONDS - began)) s"
-  # tests/conftest.py hands the driver's PYTHONPATH to Ray's workers (Ray lives in $target).
+    --target "$SITE" "$wheels"/*.whl
+  log "joined and installed Ray from $RAY in $((SECONDS - began)) s"
+  # tests/conftest.py hands the driver's PYTHONPATH to Ray's workers (Ray lives in $SITE).
   cd "$ROOT"
-  export PYTHONPATH="$target:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
   "$PY" -c 'import ray, sys; print("ray", ray.__version__, "from", ray.__file__, file=sys.stderr)'
-  "$PY" -m pytest tests/gpu -q -rA -p no:cacheprovider "${args[@]}"
+  "$PY" -m pytest tests/gpu -q -rA -p no:cacheprovider "${ARGS[@]}"
 }
 
 cmd_results() {
