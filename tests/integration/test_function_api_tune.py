@@ -143,5 +143,5 @@ def test_param_space_and_resources_are_checked():
         Tuner(trainer, param_space={"lr": tune.grid_search([0.1])})
     bundles = trial_resources(ScalingConfig(num_workers=2, num_cpus_per_worker=2)).bundles
     assert bundles == [{"CPU": 1.0}, {"CPU": 2.0}, {"CPU": 2.0}]
-    with pytest.raises(ConfigError, match="num_workers=0.*set num_workers >= 1"):
+    with pytest.raises(ConfigError, match=r"got 0 \(local mode.*Set num_workers >= 1"):
         TorchTrainer(regression_loop, scaling_config={"num_workers": 0}).as_trainable()

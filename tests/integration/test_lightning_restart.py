@@ -176,7 +176,11 @@ def test_killed_worker_resumes_from_the_last_checkpoint(
     # The restart resumed from the checkpoint of epoch 1 (last.ckpt, or the epoch file
     # written with it) in the logger's pinned version directory: no version_1 appeared.
     checkpoints = root / "lightning_logs" / "version_0" / "checkpoints"
-    restarts = [r.getMessage() for r in caplog.records if "restart 1 of 3 from" in r.getMessage()]
+    restarts = [
+        r.getMessage()
+        for r in caplog.records
+        if "restart 1 of 3 (RayStrategy max_retries) from" in r.getMessage()
+    ]
     assert len(restarts) == 1, [r.getMessage() for r in caplog.records]
     assert restarts[0].startswith(f"Worker rank 1 died (pid {killer.killed_pid} on ")
     source = restarts[0].rsplit(" from ", 1)[1].rstrip(".")
