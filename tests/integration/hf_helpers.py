@@ -24,6 +24,9 @@ def tiny_gpt2(seed: int = 0) -> Any:
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
+        bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
+        pad_token_id=VOCAB - 2,
     )
     return GPT2LMHeadModel(config)
 
@@ -45,3 +48,24 @@ class TokenDataset(torch.utils.data.Dataset):
 def step_losses(log_history: list[dict[str, Any]]) -> dict[int, float]:
     """The training loss the Trainer logged at each step (``logging_steps=1``)."""
     return {entry["step"]: entry["loss"] for entry in log_history if "loss" in entry}
+
+
+def word_tokenizer() -> Any:
+    """A word-level tokenizer over ``w0 .. w{VOCAB-3}`` plus [PAD] and [EOS], built here (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(VOCAB - 2)}
+    words.update({"[PAD]": VOCAB - 2, "[EOS]": VOCAB - 1})
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="[PAD]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", eos_token="[EOS]")
+
+
+def text_dataset(size: int, words: int = SEQ - 1, seed: int = 2) -> Any:
+    """``size`` texts of ``words`` random words each (one token per word, EOS appended by TRL)."""
+    from datasets import Dataset
+
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB - 2, (size, words), generator=generator)
+    return Dataset.from_dict({"text": [" ".join(f"w{i}" for i in row.tolist()) for row in ids]})
