@@ -128,13 +128,13 @@ def test_hf_trainer_equals_one_process_and_resumes_after_a_lost_worker(tmp_path,
         assert name in inside
 
 
-def sft_loop(config):
-    """TRL's SFTTrainer, as a TRL script builds it, with polytrain's imports."""
+def _sft_trainer(directory: str, batch: int, **extra):
+    """TRL's SFTTrainer as a TRL script builds it."""
     from trl import SFTConfig, SFTTrainer
 
     args = SFTConfig(
-        os.path.join(config["dir"], "sft"),
-        per_device_train_batch_size=PER_WORKER // 2,
+        directory,
+        per_device_train_batch_size=batch,
         max_steps=4,
         learning_rate=1e-2,
         logging_steps=1,
@@ -144,17 +144,22 @@ def sft_loop(config):
         seed=0,
         max_length=16,
         bf16=False,  # TRL's default is bf16, which a CPU refuses without use_cpu
+        **extra,
     )
-    trainer = SFTTrainer(
+    return SFTTrainer(
         model=tiny_gpt2(),
         args=args,
         train_dataset=text_dataset(32),
         processing_class=word_tokenizer(),
     )
+
+
+def sft_loop(config):
+    """The SFTTrainer with polytrain's imports: two workers of half the batch each."""
+    trainer = _sft_trainer(os.path.join(config["dir"], "sft"), PER_WORKER // 2)
     trainer.add_callback(RayTrainReportCallback())
     trainer = prepare_trainer(trainer)
     trainer.train()
-    return step_losses(trainer.state.log_history)
 
 
 def test_trl_sft_trainer_equals_one_process(tmp_path, ray_start_4_cpus):
@@ -178,26 +183,6 @@ def test_trl_sft_trainer_equals_one_process(tmp_path, ray_start_4_cpus):
 
 
 def _sft_single_process(directory: str) -> dict[int, float]:
-    from trl import SFTConfig, SFTTrainer
-
-    args = SFTConfig(
-        directory,
-        per_device_train_batch_size=PER_WORKER,
-        max_steps=4,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to="none",
-        disable_tqdm=True,
-        seed=0,
-        max_length=16,
-        bf16=False,
-        use_cpu=True,
-    )
-    trainer = SFTTrainer(
-        model=tiny_gpt2(),
-        args=args,
-        train_dataset=text_dataset(32),
-        processing_class=word_tokenizer(),
-    )
+    trainer = _sft_trainer(directory, PER_WORKER, use_cpu=True)
     trainer.train()
     return step_losses(trainer.state.log_history)

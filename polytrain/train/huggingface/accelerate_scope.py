@@ -43,6 +43,7 @@ from polytrain.errors import ConfigError
 from polytrain.launchers.worker import WORKER_STATE
 
 _KEY = "polytrain_accelerate_scope"
+_ONE_PROCESS = ("NO", "MULTI_CPU", "MULTI_GPU")
 
 
 @dataclass
@@ -138,7 +139,10 @@ def check_state(scope: AccelerateScope, state: Any, what: str) -> None:
     """
     refuse_if_unsupported(scope, what)
     found = getattr(state.distributed_type, "name", str(state.distributed_type))
-    if found != scope.expected or state.num_processes != scope.world_size:
+    # One worker is one process whichever plain mode Accelerate picked (NO, or MULTI_CPU
+    # of one when RANK / WORLD_SIZE are set).
+    alike = scope.expected == "NO" and found in _ONE_PROCESS
+    if not (found == scope.expected or alike) or state.num_processes != scope.world_size:
         raise ConfigError(
             f"{what}: Accelerate set up {found} over {state.num_processes} process(es), but the "
             f"{scope.backend} backend trains as {scope.expected} over {scope.world_size} "
