@@ -1,7 +1,7 @@
 """An Accelerate script as ``accelerate launch --config_file FILE script.py OUT`` runs it.
 
-Nothing in it knows polytrain: a plain ``Accelerator()`` loop (the one of
-``test_accelerate.py``) that saves its state every 2 steps into ``OUT/state`` and,
+Nothing in it knows polytrain: a plain ``Accelerator()`` loop (``accelerate_loop.py``, the
+one of ``test_accelerate.py``) that saves its state every 2 steps into ``OUT/state`` and,
 when started again, loads it (``load_state``) and goes on. Rank 1 exits with code 3
 after step 3 of the first attempt (``TORCHELASTIC_RESTART_COUNT`` 0), so a launch
 with ``--max-restarts 1`` finishes on the second. The main process writes the
@@ -15,8 +15,7 @@ import os
 import sys
 
 import torch
-
-from tests.integration.test_accelerate import MICRO_BATCH, train_with_accelerate
+from accelerate_loop import MICRO_BATCH, train_with_accelerate  # a sibling of this script
 
 
 def main(out: str) -> None:

@@ -60,7 +60,7 @@ def ray_address(ray_start_4_cpus):
 
 def test_an_accelerate_script_restarts_and_equals_one_process(tmp_path, ray_address):
     from polytrain.train.huggingface.accelerate_scope import _reset_accelerate
-    from tests.integration.test_accelerate import ACCUMULATE, MICRO_BATCH, train_with_accelerate
+    from tests.integration.accelerate_loop import ACCUMULATE, MICRO_BATCH, train_with_accelerate
 
     config = _config(tmp_path, distributed_type="MULTI_CPU", num_processes=2, use_cpu=True)
     script = str(HERE / "accelerate_launch_script.py")
