@@ -72,11 +72,12 @@ def setup_session(
 
 def _library_env(spec: LoopSpec, session: train_session.Session) -> Any:
     """The environment Accelerate (the HF Trainer, TRL) reads in a torch loop; none for TensorFlow."""
-    if spec.backend.framework != "torch":
+    backend = getattr(spec, "backend", None)  # (a spec made by hand in a test may have none)
+    if backend is None or backend.framework != "torch":
         return contextlib.nullcontext()
     from polytrain.train.huggingface.accelerate_scope import accelerate_scope
 
-    return accelerate_scope(spec.backend, session.worker_context)
+    return accelerate_scope(backend, session.worker_context)
 
 
 def run_loop(start_index: int, checkpoint_url: str | None) -> LoopStopped | None:
