@@ -37,7 +37,7 @@ from polytrain.train.huggingface.transformers import (  # noqa: E402
 
 STEPS = 6
 PER_WORKER = 4
-TOL = 1e-5  # measured: 2e-7
+TOL = 1e-5  # measured: 2.4e-7 on 6 steps without the kill
 
 
 def _args(output_dir: str, batch: int, **extra) -> transformers.TrainingArguments:
