@@ -135,7 +135,6 @@ def test_e2e_hf_data(ray_start_6_cpus_2_gpus, tmp_path):
     assert "eval_loss" in result.metrics
 
 
-@pytest.mark.long_matrix
 def test_e2e_ray_data(ray_start_6_cpus_2_gpus, tmp_path):
     config = {**STEPS_CPU, "use_ray_data": True, "max_steps": MAX_STEPS}
     config["output_dir"] = str(tmp_path / "tiny-gpt2-wikitext2")
@@ -147,7 +146,6 @@ def test_e2e_ray_data(ray_start_6_cpus_2_gpus, tmp_path):
     assert "eval_loss" in result.metrics
 
 
-@pytest.mark.long_matrix
 def test_e2e_dict_eval_ray_data(ray_start_6_cpus_2_gpus, tmp_path):
     config = {**STEPS_CPU, "use_ray_data": True, "use_dict_eval_datasets": True}
     config["max_steps"] = MAX_STEPS
