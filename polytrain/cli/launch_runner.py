@@ -20,7 +20,6 @@ attempts run on the run loop (:mod:`polytrain.runs.loop`), like every front end.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import string
@@ -281,16 +280,18 @@ def _script_loop(workload: _ScriptWorkload, scaling: ScalingConfig, max_restarts
     )
 
 
-def _env_class(
-    backend: str | None, accelerate_config: str | None, use_gpu: bool, num_workers: int
-) -> Any:
-    """The launcher environment's class: the backend's, or ``accelerate launch``'s for a config file."""
+def _launcher(
+    backend: str | None,
+    accelerate_config: str | None,
+    gpus_per_worker: float,
+    num_workers: int,
+    local_rank_arg: bool,
+) -> LauncherEnv:
+    """The ranks' launcher environment: the backend's, or ``accelerate launch``'s for a config file."""
     if accelerate_config is None:
-        return get_launcher_env_class(backend or "ddp")
+        return get_launcher_env_class(backend or "ddp")(local_rank_arg=local_rank_arg)
     canonical = resolve_backend_name(backend) if backend else None
-    return functools.partial(
-        AccelerateLaunchEnv, accelerate_config, canonical, use_gpu, num_workers
-    )
+    return AccelerateLaunchEnv(accelerate_config, canonical, bool(gpus_per_worker), num_workers)
 
 
 def launch(
@@ -322,20 +323,17 @@ def launch(
         local_rank_arg: ``backend="deepspeed"`` appends ``--local_rank=N`` to the
             script's arguments, as the launcher does without ``--no_local_rank``.
         address: the Ray cluster (None: ``RAY_ADDRESS`` or a local one).
-        accelerate_config: an Accelerate config file: the ranks get ``accelerate launch
-            --config_file``'s environment (:class:`~polytrain.backends.core.accelerate_launch.AccelerateLaunchEnv`).
+        accelerate_config: an Accelerate config file: ``accelerate launch``'s environment.
 
     Returns:
         0, or the exit code of the first failing rank once the restarts are spent.
 
     Raises:
-        ConfigError: the script does not exist, a bad count, or an Accelerate config
-            that contradicts ``backend`` or the GPUs.
+        ConfigError: no script, a bad count, an Accelerate config against backend / GPUs.
         UnknownBackendError: a backend without a launcher environment.
         MissingDependencyError: the backend's framework is not installed.
     """
     _check_args(script, num_workers, max_restarts)
-    env_class = _env_class(backend, accelerate_config, bool(gpus_per_worker), num_workers)
     scaling = ScalingConfig(
         num_workers=num_workers,
         num_cpus_per_worker=cpus_per_worker,
@@ -343,7 +341,7 @@ def launch(
         address=address,
     )
     command = [sys.executable, "-u", os.path.abspath(script), *(args or [])]
-    launcher = env_class(local_rank_arg=local_rank_arg)
+    launcher = _launcher(backend, accelerate_config, gpus_per_worker, num_workers, local_rank_arg)
     workload = _ScriptWorkload(command, scaling, launcher, uuid.uuid4().hex[:12], max_restarts)
     loop = _script_loop(workload, scaling, max_restarts)
     try:
