@@ -32,8 +32,8 @@ if ! python -c "import torch" 2>/dev/null; then
   pip install -q "$TORCH_SPEC"
 fi
 
-log "polytrain with the pure-Python extras (ray, lightning, tune, fairscale, tensorflow, trackers, hf, hydra, docs, dev)"
-pip install -q -e ".[lightning,tune,fairscale,tensorflow,trackers,hf,hydra,docs,dev]"
+log "polytrain with the pure-Python extras (ray, lightning, tune, fairscale, tensorflow, trackers, hf, trl, hydra, docs, dev)"
+pip install -q -e ".[lightning,tune,fairscale,tensorflow,trackers,hf,trl,hydra,docs,dev]"
 
 # DeepSpeed's setup.py imports torch, so it must see the torch installed above
 # (no build isolation), and DS_BUILD_OPS=0 skips compiling CUDA/C++ ops: on CPU

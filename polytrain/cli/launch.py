@@ -2,7 +2,8 @@
 
 ::
 
-    polytrain launch -n 4 [--backend ddp|horovod|deepspeed] [--cpus-per-worker C]
+    polytrain launch -n 4 [--backend ddp|horovod|deepspeed] [--accelerate-config FILE]
+                     [--cpus-per-worker C]
                      [--gpus-per-worker G] [--max-restarts R] [--no-local-rank]
                      [--address ADDR] script.py [script args ...]
 """
@@ -26,6 +27,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         local_rank_arg=not args.no_local_rank,
         address=args.address,
+        accelerate_config=args.accelerate_config,
     )
 
 
@@ -38,13 +40,21 @@ def add_launch(sub: argparse._SubParsersAction) -> None:
         "rank gets its launcher's environment: torchrun's (RANK, LOCAL_RANK, WORLD_SIZE, "
         "MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*) with --backend ddp, horovodrun --gloo's "
         "(HOROVOD_RANK, HOROVOD_GLOO_RENDEZVOUS_ADDR, ...) with horovod, the deepspeed "
-        "launcher's (and --local_rank=N) with deepspeed; output lines are prefixed [rankN]:.",
+        "launcher's (and --local_rank=N) with deepspeed, accelerate launch's with "
+        "--accelerate-config; output lines are prefixed [rankN]:.",
     )
     launch.add_argument("-n", "--num-workers", type=int, default=1, help="ranks (default: 1)")
     launch.add_argument(
         "--backend",
-        default="ddp",
-        help="whose launcher environment: ddp (torchrun, default), horovod, deepspeed",
+        default=None,
+        help="whose launcher environment: ddp (torchrun, default), horovod, deepspeed; with "
+        "--accelerate-config the backend the config must be (default: the config's)",
+    )
+    launch.add_argument(
+        "--accelerate-config",
+        metavar="FILE",
+        help="an Accelerate config file (accelerate config): each rank gets accelerate "
+        "launch's environment for it (DDP, FSDP or DeepSpeed)",
     )
     launch.add_argument("--cpus-per-worker", type=float, default=1, help="CPUs per rank")
     launch.add_argument("--gpus-per-worker", type=float, default=0, help="GPUs per rank")

@@ -32,10 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from polytrain.backends.core.accelerate_launch import AccelerateLaunchEnv
 from polytrain.backends.core.backend import Backend
 from polytrain.backends.core.context import WorkerContext
 from polytrain.backends.core.launch_env import LaunchAttempt, LauncherEnv
-from polytrain.backends.registry import get_launcher_env_class
+from polytrain.backends.registry import get_launcher_env_class, resolve_backend_name
 from polytrain.errors import ConfigError, PolytrainError, WorkerError
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.network import socket_ifname_env
@@ -279,17 +280,32 @@ def _script_loop(workload: _ScriptWorkload, scaling: ScalingConfig, max_restarts
     )
 
 
+def _launcher(
+    backend: str | None,
+    accelerate_config: str | None,
+    gpus_per_worker: float,
+    num_workers: int,
+    local_rank_arg: bool,
+) -> LauncherEnv:
+    """The ranks' launcher environment: the backend's, or ``accelerate launch``'s for a config file."""
+    if accelerate_config is None:
+        return get_launcher_env_class(backend or "ddp")(local_rank_arg=local_rank_arg)
+    canonical = resolve_backend_name(backend) if backend else None
+    return AccelerateLaunchEnv(accelerate_config, canonical, bool(gpus_per_worker), num_workers)
+
+
 def launch(
     script: str,
     args: list[str] | None = None,
     *,
     num_workers: int = 1,
-    backend: str = "ddp",
+    backend: str | None = None,
     cpus_per_worker: float = 1,
     gpus_per_worker: float = 0,
     max_restarts: int = 0,
     local_rank_arg: bool = True,
     address: str | None = None,
+    accelerate_config: str | None = None,
 ) -> int:
     """Run ``python script args...`` on ``num_workers`` Ray workers as its native launcher would.
 
@@ -298,25 +314,26 @@ def launch(
         args: its arguments.
         num_workers: the number of ranks.
         backend: whose launcher environment the ranks get: ``"ddp"`` (``torchrun``;
-            also ``fsdp`` and ``fairscale``), ``"horovod"`` (``horovodrun --gloo``) or
-            ``"deepspeed"`` (the ``deepspeed`` launcher), or an alias of one.
+            also ``fsdp`` and ``fairscale``; the default), ``"horovod"`` (``horovodrun
+            --gloo``) or ``"deepspeed"`` (the ``deepspeed`` launcher), or an alias of one;
+            with ``accelerate_config``, the backend the config must be (None: its own).
         cpus_per_worker: CPUs per rank (also its ``OMP_NUM_THREADS`` unless set).
         gpus_per_worker: GPUs per rank.
         max_restarts: restart every rank this often after a failure.
         local_rank_arg: ``backend="deepspeed"`` appends ``--local_rank=N`` to the
             script's arguments, as the launcher does without ``--no_local_rank``.
         address: the Ray cluster (None: ``RAY_ADDRESS`` or a local one).
+        accelerate_config: an Accelerate config file: ``accelerate launch``'s environment.
 
     Returns:
         0, or the exit code of the first failing rank once the restarts are spent.
 
     Raises:
-        ConfigError: the script does not exist, or a bad count.
+        ConfigError: no script, a bad count, an Accelerate config against backend / GPUs.
         UnknownBackendError: a backend without a launcher environment.
         MissingDependencyError: the backend's framework is not installed.
     """
     _check_args(script, num_workers, max_restarts)
-    env_class = get_launcher_env_class(backend)
     scaling = ScalingConfig(
         num_workers=num_workers,
         num_cpus_per_worker=cpus_per_worker,
@@ -324,7 +341,7 @@ def launch(
         address=address,
     )
     command = [sys.executable, "-u", os.path.abspath(script), *(args or [])]
-    launcher = env_class(local_rank_arg=local_rank_arg)
+    launcher = _launcher(backend, accelerate_config, gpus_per_worker, num_workers, local_rank_arg)
     workload = _ScriptWorkload(command, scaling, launcher, uuid.uuid4().hex[:12], max_restarts)
     loop = _script_loop(workload, scaling, max_restarts)
     try:

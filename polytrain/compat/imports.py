@@ -36,6 +36,8 @@ _HINTS: dict[str, str] = {
     "safetensors": 'pip install "polytrain[hf]"',
     "transformers": 'pip install "polytrain[hf]"',
     "huggingface_hub": 'pip install "polytrain[hf]"',
+    "accelerate": 'pip install "polytrain[hf]"',
+    "trl": 'pip install "polytrain[trl]"',
 }
 
 

@@ -160,6 +160,7 @@ def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None) -> Non
             f"report(checkpoint=...) takes a polytrain.train.Checkpoint (e.g. "
             f"Checkpoint.from_directory(path)); got {type(checkpoint).__name__}: {checkpoint!r}."
         )
+    _check_accelerator()
     index = session.next_index
     session.next_index += 1
     if checkpoint is not None:
@@ -176,6 +177,13 @@ def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None) -> Non
     if info is not None and _committed(session, index, done):
         session.stopped_at = index
         raise LoopPreempted(index)  # every rank stops here; the driver moves the group
+
+
+def _check_accelerator() -> None:
+    """An ``Accelerator`` made in the loop must train as the backend does (cheap once checked)."""
+    from polytrain.train.huggingface.accelerate_scope import check_accelerator
+
+    check_accelerator()
 
 
 #: Seconds between two looks at an announced step, doubling up to the second value.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,16 @@ def setup_session(
     )
 
 
+def _library_env(spec: LoopSpec, session: train_session.Session) -> Any:
+    """The environment Accelerate (the HF Trainer, TRL) reads in a torch loop; none for TensorFlow."""
+    backend = getattr(spec, "backend", None)  # (a spec made by hand in a test may have none)
+    if backend is None or backend.framework != "torch":
+        return contextlib.nullcontext()
+    from polytrain.train.huggingface.accelerate_scope import accelerate_scope
+
+    return accelerate_scope(backend, session.worker_context)
+
+
 def run_loop(start_index: int, checkpoint_url: str | None) -> LoopStopped | None:
     """Worker: run the user's function once, from step ``start_index`` and that checkpoint.
 
@@ -86,7 +97,7 @@ def run_loop(start_index: int, checkpoint_url: str | None) -> LoopStopped | None
     session.stopped_at = None
     train_session.start(session)
     try:
-        with session.strategy.worker_scope(session.worker_context):
+        with session.strategy.worker_scope(session.worker_context), _library_env(spec, session):
             if spec.takes_config:
                 spec.fn(dict(spec.config))
             else:

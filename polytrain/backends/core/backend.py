@@ -135,6 +135,37 @@ class Backend:
                 f"model: ddp, fsdp (version 2), horovod, deepspeed."
             )
 
+    #: Why Accelerate (and the HF ``Trainer`` and TRL, which run on it) cannot train on
+    #: this backend's workers; None: it can (see :meth:`accelerate_env`).
+    accelerate_refusal: ClassVar[str | None] = (
+        "it has no Accelerate equivalent: Accelerate drives torch.distributed as DDP, FSDP "
+        "or DeepSpeed only."
+    )
+
+    def accelerate_env(self, use_gpu: bool) -> dict[str, str]:
+        """The environment that makes Accelerate train the way this backend does.
+
+        What ``accelerate launch`` would set with the equivalent Accelerate config
+        (``ACCELERATE_USE_FSDP`` and ``FSDP_*``, ``ACCELERATE_USE_DEEPSPEED`` and its
+        config, ...), beyond the ranks and devices every worker gets. An
+        ``Accelerator()``, an HF ``Trainer`` or a TRL trainer built inside the loop
+        reads it. Pure: no framework is imported.
+
+        Args:
+            use_gpu: whether the workers train on GPUs.
+
+        Raises:
+            ConfigError: the backend (or this backend on CPU) cannot run under
+                Accelerate; the message says why and what to use instead.
+        """
+        if self.accelerate_refusal is not None:
+            raise ConfigError(
+                f"Accelerate (and the HF Trainer and TRL, which run on it) cannot train on the "
+                f"{self.name or 'no-op'} backend: {self.accelerate_refusal} Use backend='ddp' "
+                f"(or 'fsdp' / 'deepspeed' on GPUs)."
+            )
+        return {}
+
     def make_rendezvous(self) -> Rendezvous:
         """Driver: a new driver side for one worker group."""
         return self.rendezvous_cls(self.config)

@@ -32,6 +32,13 @@ class DeepSpeedBackend(Backend):
     rendezvous_cls = DeepSpeedRendezvous
     strategy_cls = DeepSpeedStrategy
     config: DeepSpeedConfig
+    accelerate_refusal = None
+
+    def accelerate_env(self, use_gpu: bool) -> dict[str, str]:
+        """Accelerate's DeepSpeed plugin with this backend's config (:mod:`.accelerate_env`)."""
+        from polytrain.backends.deepspeed.accelerate_env import deepspeed_accelerate_env
+
+        return deepspeed_accelerate_env(self.config, use_gpu)
 
     def validate_step_options(self, step: StepOptions) -> None:
         """Driver: the DeepSpeed config must not set other accumulation or clipping."""

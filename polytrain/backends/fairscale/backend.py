@@ -21,6 +21,11 @@ class FairscaleBackend(Backend):
     rendezvous_cls = TorchDistributedRendezvous
     strategy_cls = FairscaleOSSStrategy
     config: FairscaleConfig
+    accelerate_refusal = (
+        "Accelerate has no fairscale mode (OSS + ShardedDataParallel or fairscale's FSDP), and "
+        "the HF Trainer dropped its sharded_ddp option; torch's FSDP is fairscale's sharding "
+        "upstreamed."
+    )
 
     def validate_compile(self) -> None:
         """Driver: modes "sddp" and "oss" compile; "fsdp" (GPU only, untested) is refused.

@@ -20,6 +20,13 @@ class FSDPBackend(Backend):
     rendezvous_cls = TorchDistributedRendezvous
     strategy_cls = FSDP2Strategy
     config: FSDPConfig
+    accelerate_refusal = None
+
+    def accelerate_env(self, use_gpu: bool) -> dict[str, str]:
+        """Accelerate's FSDP plugin with this backend's options (:mod:`.accelerate_env`)."""
+        from polytrain.backends.fsdp.accelerate_env import fsdp_accelerate_env
+
+        return fsdp_accelerate_env(self.config, use_gpu)
 
     def validate_compile(self) -> None:
         """Driver: FSDP2 compiles after ``fully_shard``; FSDP1 is refused.

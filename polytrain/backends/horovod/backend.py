@@ -30,6 +30,12 @@ class HorovodBackend(Backend):
     rendezvous_cls = HorovodRendezvous
     strategy_cls = HorovodStrategy
     config: HorovodConfig
+    accelerate_refusal = (
+        "Horovod reduces gradients in its own DistributedOptimizer over its own gloo "
+        "context, with no torch.distributed process group; Accelerate has no Horovod mode, "
+        "so an Accelerator() or HF Trainer here would see one process per worker and train "
+        "each worker alone."
+    )
 
     #: Stage GPU tensors through host memory even if Horovod can handle CUDA tensors.
     force_host_staging: bool = False

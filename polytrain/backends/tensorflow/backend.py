@@ -28,6 +28,7 @@ class MultiWorkerMirroredBackend(Backend):
     rendezvous_cls = TFConfigRendezvous
     strategy_cls = MWMSStrategy
     config: MWMSConfig
+    accelerate_refusal = "Accelerate and the HF Trainer train torch models, not Keras ones."
 
     def validate_settings(self, *, num_workers: int, use_gpu: bool, use_fp16: bool) -> None:
         """Driver: NCCL needs GPUs; mixed precision is a Keras policy set in the creator.
