@@ -202,7 +202,7 @@ class TrainingOperator:
                 tally.steps, total, phase="train", epoch=epoch, loss=metrics.get("loss")
             )
         if tally.steps == 0:
-            raise ValueError(
+            raise CreatorError(
                 f"The training data loader of rank {self.world_rank} yielded no batches "
                 f"(per-worker batch_size={self.config.get('batch_size')}, "
                 f"len(loader)={_safe_len(self.train_loader)}). Give the data_creator more "

@@ -24,6 +24,7 @@ from polytrain.checkpoint import single_file as ckpt
 from polytrain.checkpoint.directory import SaveRequest
 from polytrain.checkpoint.safetensors_export import META_KEY
 from polytrain.compat.allocator import release_free_memory
+from polytrain.errors import CreatorError
 from polytrain.launchers.worker import WORKER_STATE
 from polytrain.trainer_api.creators import TorchCreators
 from polytrain.trainer_api.data.cursor import DataCursor
@@ -161,7 +162,7 @@ def _count_batches(loader: Any, ctx: WorkerContext, config: dict[str, Any]) -> i
     except TypeError:
         return -1
     if num_batches == 0:
-        raise ValueError(
+        raise CreatorError(
             f"The training data loader of rank {ctx.world_rank} has no batches (per-worker "
             f"batch_size={config.get('batch_size')}, dataset size "
             f"{_dataset_len(loader)}, drop_last="
@@ -351,7 +352,7 @@ def validate(
     """Evaluate ``num_steps`` batches (None: all) of this worker's share of the validation data."""
     operator = _operator()
     if operator.val_loader is None:
-        raise ValueError(
+        raise CreatorError(
             "validate() needs validation data: make data_creator return (train_loader, val_loader)."
         )
     operator.timer = PhaseTimer(profile, operator.device)
