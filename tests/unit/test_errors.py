@@ -66,6 +66,7 @@ EXPECTED_BUILTINS = {
         ArithmeticError,
     },
     "polytrain.trainer_api.torch.default_step.MissingLossError": {ValueError},
+    "polytrain.trainer_api.torch.step_record.StepOptionError": {ValueError},
     "polytrain.train.preemption.LoopPreempted": set(),  # control flow inside the loop
     "polytrain.cli.launch_runner.ScriptFailedError": {RuntimeError},
     "polytrain.train.session.SessionMisuseError": {RuntimeError},

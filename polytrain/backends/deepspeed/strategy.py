@@ -190,7 +190,9 @@ class DeepSpeedStrategy(TorchStrategy):
         """Worker: ``engine.step()`` after every micro-batch (it updates only at the boundary)."""
         engine_state(components).engine.step()
 
-    def clip_grad_norm_(self, components: Components, max_norm: float) -> torch.Tensor | None:
+    def clip_grad_norm_(
+        self, components: Components, max_norm: float, optimizer_index: int | None = None
+    ) -> torch.Tensor | None:
         """Worker: None; the engine clips inside ``step()`` to its ``gradient_clipping``.
 
         Raises:

@@ -32,7 +32,7 @@ from polytrain.trainer_api.data.loaders import add_distributed_sampler
 from polytrain.trainer_api.profiling import PhaseTimer
 from polytrain.trainer_api.torch import checkpoint as checkpoint_torch
 from polytrain.trainer_api.torch import stopping
-from polytrain.trainer_api.torch.operator import TrainingOperator
+from polytrain.trainer_api.torch.operator import TrainingOperator, overrides
 
 _KEY = "torch_trainer"
 _CURSOR = "torch_trainer_cursor"
@@ -134,14 +134,9 @@ def _check_default_step_fits(operator: TrainingOperator) -> None:
     itself; should its own ``train_epoch`` still call the default ``train_batch``,
     that step refuses then (see :meth:`TrainingOperator.train_batch`).
     """
-    if _overridden(operator, "train_batch") or _overridden(operator, "train_epoch"):
+    if overrides(operator, "train_batch") or overrides(operator, "train_epoch"):
         return
     operator.check_single_model()
-
-
-def _overridden(operator: TrainingOperator, name: str) -> bool:
-    method = getattr(operator, name)
-    return getattr(method, "__func__", method) is not getattr(TrainingOperator, name)
 
 
 def _add_samplers(components: Components, replicas: int, rank: int) -> None:
@@ -286,7 +281,7 @@ def train_epoch(call: TrainCall) -> dict[str, Any]:
             iterator = stopping.GatedSteps(iterator, stopping.gate())
             iterator.gate.begin(call.call_id)
         try:
-            stats = operator.train_epoch(iterator, info)
+            stats = operator.train_call(iterator, info)
         finally:
             if call.call_id is not None:
                 iterator.gate.end()
