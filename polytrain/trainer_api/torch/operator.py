@@ -241,6 +241,7 @@ class TrainingOperator:
         total = _expected_steps(iterator, num_steps, k)
         first_idx = int(info.get("first_batch_idx", 0))
         tally = _Tally()
+        custom_batch = overrides(self, "train_batch")
         report_progress(0, total, phase="train", epoch=epoch)
         for batch, micro in default_step.micro_batches(iterator, k):
             if num_steps is not None and tally.steps >= num_steps:
@@ -257,7 +258,7 @@ class TrainingOperator:
                 "num_micro_steps": micro.size,
             }
             self._record.begin_batch(micro)
-            with self.timer.phase("batch"), self._autocast_if(overrides(self, "train_batch")):
+            with self.timer.phase("batch"), self._autocast_if(custom_batch):
                 metrics = self.train_batch(batch, batch_info) or {}
             self._record.end_batch(metrics)
             self._check_loss(metrics, epoch, batch_idx)
