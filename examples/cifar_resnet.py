@@ -1,13 +1,16 @@
-"""RaySGD's CIFAR10 + ResNet18 example on polytrain: torchvision's resnet18 on any torch backend.
+"""RaySGD's CIFAR10 + ResNet18 example on polytrain: a ResNet-18 on any torch backend.
 
 Run it:  python examples/cifar_resnet.py --backend ddp --num-workers 2 --epochs 1
 
 RaySGD's ``cifar_pytorch_example.py`` with its creators kept as they were: SGD with
 momentum, ``MultiStepLR`` stepped per epoch, ``nn.CrossEntropyLoss``, a global batch of
-128 per worker. The model is torchvision's ``resnet18(num_classes=10)``, which takes
+128 per worker. The model is torchvision's ``resnet18(num_classes=10)`` when torchvision
+imports beside the installed torch (``pip install "polytrain[vision]"``); otherwise
+:class:`ResNet18` below, the same network in plain torch: the same layers, parameter
+names and shapes (11,181,642 parameters with 10 classes) and the same initialisation
+scheme, so checkpoints of either load into the other. torchvision's ``resnet18`` takes
 keyword arguments only, so ``model_creator`` is a function of ``config`` that calls it
-(``model_creator=resnet18`` is refused with that one-line fix). It needs torchvision
-built for the installed torch: ``pip install "polytrain[vision]"``.
+(``model_creator=resnet18`` is refused with that one-line fix).
 
 Data: the real CIFAR10 when torchvision's ``cifar-10-batches-py`` folder lies in
 ``--data-dir`` (nothing is ever downloaded); otherwise a small generated set of the
@@ -20,6 +23,7 @@ import argparse
 import os
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 SEED = 0
@@ -44,15 +48,76 @@ def torchvision_problem() -> str | None:
     return None
 
 
-def model_creator(config: dict) -> torch.nn.Module:
-    """torchvision's ResNet18 with a 10-class head, the same initial weights on every worker."""
-    problem = torchvision_problem()
-    if problem is not None:
-        raise ImportError(f"examples/cifar_resnet.py needs torchvision; {problem}.")
-    from torchvision.models import resnet18
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with batch norm and a shortcut (torchvision's ``BasicBlock``)."""
 
+    def __init__(self, inplanes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = None
+        if stride != 1 or inplanes != planes:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(inplanes, planes, 1, stride=stride, bias=False), nn.BatchNorm2d(planes)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 in plain torch, laid out as torchvision's ``resnet18`` (names, shapes, init).
+
+    A 7x7 stem with max pooling, four stages of two :class:`BasicBlock` each (64, 128,
+    256 and 512 channels, the last three halving the resolution), global average
+    pooling and a linear head.
+    """
+
+    def __init__(self, num_classes: int = 1000) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        widths = (64, 128, 256, 512)
+        for index, planes in enumerate(widths):
+            inplanes = widths[max(index - 1, 0)]
+            stride = 1 if index == 0 else 2
+            stage = nn.Sequential(BasicBlock(inplanes, planes, stride), BasicBlock(planes, planes))
+            setattr(self, f"layer{index + 1}", stage)
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(512, num_classes)
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(module, nn.BatchNorm2d):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def model_creator(config: dict) -> torch.nn.Module:
+    """A ResNet-18 with a 10-class head, the same initial weights on every worker.
+
+    torchvision's ``resnet18`` when torchvision imports, else :class:`ResNet18`;
+    ``config["torchvision"] = False`` picks the plain-torch one even then.
+    """
     torch.manual_seed(config.get("seed", SEED))
-    return resnet18(num_classes=NUM_CLASSES)
+    if config.get("torchvision", True) and torchvision_problem() is None:
+        from torchvision.models import resnet18
+
+        return resnet18(num_classes=NUM_CLASSES)
+    return ResNet18(num_classes=NUM_CLASSES)
 
 
 def generated_cifar(num_samples: int, seed: int = SEED) -> TensorDataset:

@@ -97,8 +97,20 @@ class CheckpointError(PolytrainError, ValueError):
     """A checkpoint file that cannot be read, or is not a polytrain checkpoint."""
 
 
-class CreatorError(PolytrainError, TypeError):
-    """A creator function that is not callable, takes the wrong arguments or returns the wrong type."""
+class CreatorError(PolytrainError, ValueError):
+    """A creator that built something the trainer cannot use (a ``ValueError``).
+
+    For example several models where the default step trains one (RaySGD raised
+    ``ValueError`` there), an empty loader, a data pair of three items, an uncompiled
+    Keras model. :class:`CreatorTypeError` is the ``TypeError`` kind.
+    """
+
+
+class CreatorTypeError(CreatorError, TypeError):
+    """A creator that is not callable, takes the wrong arguments or returns the wrong type.
+
+    Also a ``TypeError``, the exception Python raises for a call with the wrong arguments.
+    """
 
 
 class ConfigError(PolytrainError, ValueError):

@@ -21,6 +21,8 @@ import random
 import sys
 from typing import Any
 
+from polytrain.errors import CheckpointError
+
 FORMAT = 1
 
 
@@ -59,12 +61,12 @@ def restore(state: dict[str, Any]) -> None:
     """Set this process's generators to a :func:`capture`'d state.
 
     Raises:
-        ValueError: ``state`` is not a state this module wrote.
+        CheckpointError: ``state`` is not a state this module wrote (a ``ValueError``).
     """
     import torch
 
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(
+        raise CheckpointError(
             f"Not a random-state record of format {FORMAT}: {str(state)[:80]!r}. It comes from "
             f"another polytrain version; load the checkpoint without its random states."
         )

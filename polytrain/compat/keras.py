@@ -23,7 +23,7 @@ from types import ModuleType
 from typing import Any
 
 from polytrain.compat.imports import require
-from polytrain.errors import CheckpointError, CreatorError
+from polytrain.errors import CheckpointError, CreatorError, CreatorTypeError
 
 #: The environment variable that makes ``tf.keras`` resolve to ``tf_keras``.
 LEGACY_KERAS_VAR = "TF_USE_LEGACY_KERAS"
@@ -82,7 +82,7 @@ def check_keras_model(model: Any, creator: str) -> None:
         creator: the creator's name, for the message (e.g. ``"model_creator"``).
     """
     if keras_flavor(model) == "keras3":
-        raise CreatorError(
+        raise CreatorTypeError(
             f"{creator} returned a Keras 3 model ({type(model).__module__}."
             f"{type(model).__qualname__}); TFTrainer needs a tf_keras (Keras 2) model. "
             f"{KERAS3_FIX}"
@@ -90,7 +90,7 @@ def check_keras_model(model: Any, creator: str) -> None:
     if not isinstance(model, get_keras().Model):
         text = repr(model)
         text = text[:77] + "..." if len(text) > 80 else text
-        raise CreatorError(
+        raise CreatorTypeError(
             f"{creator} returned {type(model).__name__} ({text}); expected a compiled "
             f"tf_keras Model. Signature: model_creator(config) -> keras.Model (compiled)."
         )

@@ -310,7 +310,10 @@ class RayWorkerGroup(GroupCalls, base.WorkerGroup):
         self._spare, self._spare_metadata = [], []
         if actors and self._release_to_pool(actors, metadata, groups):
             return
-        pool.stop_actors(actors, *(groups if self._owns_placement_group else ()))
+        # Removed asynchronously by Ray: the next placement group of this process waits
+        # until they are free (pool.POOL.yield_to), or a soft strategy degrades around them.
+        owned = groups if self._owns_placement_group else []
+        pool.POOL.stop_unpooled(actors, metadata, owned, self.bundle)
 
     def terminate(self) -> None:
         """Stop every worker now, never keeping them warm (e.g. on Ctrl+C)."""

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from polytrain.errors import CreatorError
+from polytrain.errors import CreatorError, CreatorTypeError
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +41,7 @@ _ARGUMENTS = {
 def check_callable(
     name: str, fn: Any, num_args: int, required: bool = True, expected: str | None = None
 ) -> None:
-    """Raise a :class:`CreatorError` unless ``fn`` can be called with ``num_args`` positionals.
+    """Raise a :class:`CreatorTypeError` unless ``fn`` can be called with ``num_args`` positionals.
 
     Also refused: a function whose last positional slot, where ``config`` goes, is a
     parameter with a default that is not a dict (``resnet18(pretrained=False)``,
@@ -53,10 +53,10 @@ def check_callable(
     expected = expected or _SIGNATURES.get(name, name)
     if fn is None:
         if required:
-            raise CreatorError(f"{name} is required: {expected}.")
+            raise CreatorTypeError(f"{name} is required: {expected}.")
         return
     if not callable(fn):
-        raise CreatorError(f"{name} must be callable: {expected}; got {_describe(fn)}.")
+        raise CreatorTypeError(f"{name} must be callable: {expected}; got {_describe(fn)}.")
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -66,7 +66,7 @@ def check_callable(
     try:
         bound = signature.bind(*range(num_args))
     except TypeError as exc:
-        raise CreatorError(
+        raise CreatorTypeError(
             f"{name} {_qualname(fn)}{signature} cannot be called with {num_args} argument(s) "
             f"({exc}): polytrain calls {call} on every worker. Wrap it in a one-line "
             f"function, for example {name}={_wrapper(name, fn, signature, arguments)}. "
@@ -74,7 +74,7 @@ def check_callable(
         ) from None
     slot = _config_parameter(signature, bound, num_args - 1)
     if slot is not None:
-        raise CreatorError(
+        raise CreatorTypeError(
             f"{name} {_qualname(fn)}{signature} would receive the config dict as its "
             f"argument {slot.name!r} (default {slot.default!r}): polytrain calls {call} on "
             f"every worker. Wrap it in a one-line function, for example "
@@ -163,7 +163,7 @@ def check_return(name: str, value: Any, expected: type | tuple[type, ...], what:
     """Validate a creator's return value; returns the created objects as a :class:`Created` tuple."""
     items = _as_tuple(value)
     if not items or not all(isinstance(item, expected) for item in items):
-        raise CreatorError(
+        raise CreatorTypeError(
             f"{name} returned {_describe(value)}; expected {what}. "
             f"Signature: {_SIGNATURES.get(name, name)}."
         )
@@ -173,7 +173,7 @@ def check_return(name: str, value: Any, expected: type | tuple[type, ...], what:
 def _check_not_instance(name: str, value: Any, kind: type, how: str) -> None:
     """Refuse a built object where a function that builds it belongs (``model_creator=MyNet()``)."""
     if isinstance(value, kind):
-        raise CreatorError(
+        raise CreatorTypeError(
             f"{name} received {_describe(value)}, an instance; polytrain needs a function that "
             f"builds it on every worker. Write {how}. Signature: {_SIGNATURES[name]}."
         )
@@ -202,7 +202,7 @@ class TorchCreators:
         if self.loss_creator is not None and not (
             inspect.isclass(self.loss_creator) or callable(self.loss_creator)
         ):
-            raise CreatorError(
+            raise CreatorTypeError(
                 f"loss_creator must be a loss class or a callable; got "
                 f"{_describe(self.loss_creator)}. {_SIGNATURES['loss_creator']}."
             )
@@ -234,7 +234,7 @@ class TorchCreators:
             "(or return the Dataset from the function: it is batched for you)",
         )
         if isinstance(self.loss_creator, torch.nn.Module):
-            raise CreatorError(
+            raise CreatorTypeError(
                 f"loss_creator received {_describe(self.loss_creator)}, an instance; pass the "
                 f"class (loss_creator={type(self.loss_creator).__name__}) or a function "
                 f"config -> loss. {_SIGNATURES['loss_creator']}."
@@ -271,7 +271,7 @@ class TorchCreators:
         if not schedulers or not all(
             hasattr(s, "step") and hasattr(s, "state_dict") for s in schedulers
         ):
-            raise CreatorError(
+            raise CreatorTypeError(
                 f"scheduler_creator returned {_describe(value)}; expected a learning-rate "
                 f"scheduler (an object with step() and state_dict(), e.g. "
                 f"torch.optim.lr_scheduler.StepLR) or a tuple of them."
@@ -287,7 +287,7 @@ class TorchCreators:
         else:
             loss = self.loss_creator(config)
         if not callable(loss):
-            raise CreatorError(
+            raise CreatorTypeError(
                 f"loss_creator returned {_describe(loss)}; expected a callable loss "
                 f"(output, target) -> tensor. {_SIGNATURES['loss_creator']}."
             )
@@ -324,7 +324,7 @@ class TorchCreators:
             if not isinstance(loader, Iterable) or isinstance(
                 loader, (str, bytes, dict, torch.Tensor)
             ):
-                raise CreatorError(
+                raise CreatorTypeError(
                     f"data_creator returned {_describe(loader)} as its {label}; expected a "
                     f"torch.utils.data.DataLoader (or another iterable of batches)."
                 )
@@ -343,7 +343,7 @@ def _loader_for(value: Any, config: dict, training: bool) -> Any:
 
     if type(value).__module__.startswith("ray.data"):
         # Splitting between the workers must happen once, on the driver.
-        raise CreatorError(
+        raise CreatorTypeError(
             f"data_creator returned {_describe(value)}, a Ray Dataset: a worker cannot split it "
             f"with the others. Pass it to the trainer instead: TorchTrainer(..., datasets="
             f"{{'train': ds, 'val': val_ds}}) without a data_creator."
@@ -351,7 +351,7 @@ def _loader_for(value: Any, config: dict, training: bool) -> Any:
     if not isinstance(value, Dataset) or isinstance(value, DataLoader):
         return value
     if isinstance(value, IterableDataset):
-        raise CreatorError(
+        raise CreatorTypeError(
             f"data_creator returned {_describe(value)}, an IterableDataset: polytrain cannot "
             f"give it a distributed sampler, so every worker would train on the same samples. "
             f"Return a DataLoader over it that yields this worker's share (shard by "

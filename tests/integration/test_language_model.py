@@ -155,21 +155,24 @@ BACKENDS = [
 ]
 
 
-def make_trainer(backend, backend_config, **kwargs) -> TorchTrainer:
-    """2 workers, clipping, accumulation and the per-step schedule of :func:`reference`."""
+def make_trainer(backend, backend_config, num_workers=WORKERS, **kwargs) -> TorchTrainer:
+    """2 workers, clipping, accumulation and the per-step schedule of :func:`reference`.
+
+    ``num_workers=0``: one process (local mode) on the reference's global micro-batches;
+    ``kwargs`` may replace ``max_grad_norm`` and ``gradient_accumulation_steps``.
+    """
+    options = {"max_grad_norm": MAX_NORM, "gradient_accumulation_steps": ACCUMULATION, **kwargs}
     return TorchTrainer(
         model_creator=gpt2_creator,
         data_creator=data_creator,
         optimizer_creator=sgd_creator,
         scheduler_creator=scheduler_creator,
         config={"batch_size": PER_WORKER_BATCH * WORKERS},
-        num_workers=WORKERS,
+        num_workers=num_workers,
         backend=backend,
         backend_config=backend_config,
-        max_grad_norm=MAX_NORM,
-        gradient_accumulation_steps=ACCUMULATION,
         failure_config={"max_retries": 0},
-        **kwargs,
+        **options,
     )
 
 

@@ -8,6 +8,13 @@ second group must be placed the same: idle groups whose CPUs it could use yield
 before its placement group is created. Which of two empty nodes PACK picks is
 Ray's choice, so a layout is compared as the number of workers per node (sorted),
 and SPREAD / STRICT_SPREAD must use both worker nodes.
+
+Issue 39, item 2: four trainers in sequence with SPREAD (ddp, horovod, fairscale, fsdp)
+each land on both worker nodes with a local world of 1; and a SPREAD group placed right
+after two groups that filled both nodes were stopped (idle groups that yield to it, or
+groups stopped outside the pool, as after a failure) waits until Ray has really given
+their bundles back, so it spreads as well (before, it could pack both workers on the node
+that freed first).
 """
 
 from __future__ import annotations
@@ -75,3 +82,23 @@ def test_a_new_group_lands_as_with_the_pool_off(placements, case):
     if case.startswith(("SPREAD", "STRICT_SPREAD")):
         assert sorted(on["second"]) == sorted(off["second"]) == ["127.0.0.2", "127.0.0.3"]
     assert on["stopped"] >= 1  # the idle group yielded
+
+
+def test_four_spread_trainers_in_sequence_each_use_both_nodes(placements):
+    placed = placements["sequence"]
+    assert "error" not in placed, placed.get("error") if isinstance(placed, dict) else placed
+    assert [p["backend"] for p in placed] == ["ddp", "horovod", "fairscale", "fsdp"]
+    for trainer in placed:
+        workers = trainer["workers"]
+        assert sorted(w["ip"] for w in workers) == ["127.0.0.2", "127.0.0.3"], trainer
+        assert [w["context_local_world_size"] for w in workers] == [1, 1], trainer
+        if trainer["backend"] != "horovod":  # Horovod's ranks come from its own rendezvous
+            assert [w["local_world_size"] for w in workers] == ["1", "1"], trainer
+
+
+def test_a_group_that_makes_idle_groups_yield_still_spreads(placements):
+    runs = placements["race"]
+    assert "error" not in runs, runs.get("error") if isinstance(runs, dict) else runs
+    for run in runs:  # both worker nodes were full: of idle workers, or of stopped ones
+        assert run["idle_before"] == (4 if run["case"] == "idle" else 0), run
+        assert sorted(run["ips"]) == ["127.0.0.2", "127.0.0.3"], runs

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("ray_start_4_cpus", "no_leftover_actors")
 CIFAR_CONFIG = {"lr": 0.05, "batch_size": 16, "num_train": 64, "num_val": 32}
 
 
-def _cifar_trainer(model_creator, **config) -> TorchTrainer:
+def _cifar_trainer(model_creator, backend: str = "ddp", **config) -> TorchTrainer:
     return TorchTrainer(
         model_creator=model_creator,
         data_creator=cifar_resnet.data_creator,
@@ -32,7 +32,7 @@ def _cifar_trainer(model_creator, **config) -> TorchTrainer:
         scheduler_step_freq="epoch",
         config={**CIFAR_CONFIG, **config},
         num_workers=2,
-        backend="ddp",
+        backend=backend,
     )
 
 
@@ -62,11 +62,20 @@ def test_cifar_creators_train_with_a_small_cnn():
     assert after["val_loss"] < before["val_loss"], (before, after)
 
 
-def test_cifar_resnet18_trains_on_two_workers():
-    problem = cifar_resnet.torchvision_problem()
-    if problem is not None:
-        pytest.skip(problem)
-    trainer = _cifar_trainer(cifar_resnet.model_creator)
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "ddp",
+        pytest.param("horovod", marks=pytest.mark.long_matrix),
+        pytest.param("fairscale", marks=pytest.mark.long_matrix),
+        pytest.param("fsdp", marks=pytest.mark.long_matrix),
+        pytest.param("deepspeed", marks=pytest.mark.long_matrix),
+    ],
+)
+def test_cifar_resnet18_trains_on_two_workers(backend):
+    """The example's own ResNet-18 (torchvision's where it imports), one epoch on 2 workers."""
+    initial = cifar_resnet.model_creator(CIFAR_CONFIG)
+    trainer = _cifar_trainer(cifar_resnet.model_creator, backend)
     try:
         stats = trainer.train()
         val = trainer.validate()
@@ -74,8 +83,10 @@ def test_cifar_resnet18_trains_on_two_workers():
     finally:
         trainer.shutdown()
     assert math.isfinite(stats["loss"]) and math.isfinite(val["val_loss"]), (stats, val)
-    assert 0.0 <= val["val_accuracy"] <= 1.0
-    assert type(model).__name__ == "ResNet" and model.fc.out_features == 10
+    assert stats["num_steps"] == 4 and 0.0 <= val["val_accuracy"] <= 1.0
+    assert type(model).__name__ in ("ResNet", "ResNet18") and model.fc.out_features == 10
+    assert sum(p.numel() for p in model.parameters()) == 11_181_642  # ResNet-18, 10 classes
+    assert not torch.equal(model.conv1.weight, initial.conv1.weight)  # it trained
 
 
 def _train_keras(model_creator, data_creator, config: dict) -> tuple[dict, dict]:

@@ -136,12 +136,7 @@ class TorchStrategy(Strategy):
 
     def step(self, components: Components, optimizer_index: int | None = None) -> None:
         """Worker: apply the gradients (every optimizer, or only ``optimizer_index``)."""
-        optimizers = (
-            components.optimizers
-            if optimizer_index is None
-            else [components.optimizers[optimizer_index]]
-        )
-        (components.precision or Precision()).step(optimizers)
+        (components.precision or Precision()).step(stepped(components, optimizer_index))
 
     def no_sync(self, components: Components) -> contextlib.AbstractContextManager:
         """Worker: a context in which backward passes do not synchronise gradients."""
@@ -160,20 +155,25 @@ class TorchStrategy(Strategy):
     def end_micro_batch(self, components: Components, micro: MicroBatch) -> None:
         """Worker: after the backward of a micro-batch that is not the step's last (nothing here)."""
 
-    def clip_grad_norm_(self, components: Components, max_norm: float) -> torch.Tensor | None:
+    def clip_grad_norm_(
+        self, components: Components, max_norm: float, optimizer_index: int | None = None
+    ) -> torch.Tensor | None:
         """Worker: clip the global gradient norm to ``max_norm``; return the norm before clipping.
 
         Called after the backward of the step's last micro-batch, before :meth:`step`.
         Gradients are unscaled first (fp16). Here: ``torch.nn.utils.clip_grad_norm_``
-        over every model's parameters, right where gradients are whole on every rank
-        after backward (plain torch, DDP) or DTensors (FSDP2). ``None``: the backend
-        clips inside its step (read the norm with :meth:`step_grad_norm`).
+        over every model's parameters (or, with ``optimizer_index``, over that
+        optimizer's: the gradients its :meth:`step` applies), right where gradients
+        are whole on every rank after backward (plain torch, DDP) or DTensors (FSDP2).
+        ``None``: the backend clips inside its step (read the norm with
+        :meth:`step_grad_norm`).
         """
         import torch
 
-        (components.precision or Precision()).unscale_(components.optimizers)
-        params = [p for model in components.models for p in model.parameters()]
-        return _full(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        (components.precision or Precision()).unscale_(stepped(components, optimizer_index))
+        return _full(
+            torch.nn.utils.clip_grad_norm_(clipped_params(components, optimizer_index), max_norm)
+        )
 
     def step_grad_norm(self, components: Components) -> float | None:
         """Worker: the norm a backend that clips inside :meth:`step` measured (None here)."""
@@ -200,6 +200,20 @@ class TorchStrategy(Strategy):
         for model, model_state in zip(components.models, state["models"], strict=True):
             self.unwrap_model(model).load_state_dict(model_state)
         load_optimizer_states(components.optimizers, state.get("optimizers"))
+
+
+def stepped(components: Components, optimizer_index: int | None) -> list[Any]:
+    """The optimizers a step of ``optimizer_index`` applies: all of them for None."""
+    optimizers = components.optimizers
+    return list(optimizers) if optimizer_index is None else [optimizers[optimizer_index]]
+
+
+def clipped_params(components: Components, optimizer_index: int | None) -> list[Any]:
+    """The parameters whose gradients one clip measures: every model's, or one optimizer's."""
+    if optimizer_index is None:
+        return [p for model in components.models for p in model.parameters()]
+    optimizer = components.optimizers[optimizer_index]
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _full(norm: torch.Tensor) -> torch.Tensor:

@@ -158,10 +158,10 @@ class DeepSpeedStrategy(TorchStrategy):
         """Worker: ``engine.step``; it applies the update at accumulation boundaries only.
 
         Raises:
-            ValueError: ``optimizer_index`` names another optimizer than the one engine's.
+            ConfigError (a ``ValueError``): ``optimizer_index`` names another optimizer than the one engine's.
         """
         if optimizer_index not in (None, 0):
-            raise ValueError(
+            raise ConfigError(
                 f"The deepspeed backend has one optimizer (index 0); got "
                 f"optimizer_index={optimizer_index!r}."
             )
@@ -190,16 +190,18 @@ class DeepSpeedStrategy(TorchStrategy):
         """Worker: ``engine.step()`` after every micro-batch (it updates only at the boundary)."""
         engine_state(components).engine.step()
 
-    def clip_grad_norm_(self, components: Components, max_norm: float) -> torch.Tensor | None:
+    def clip_grad_norm_(
+        self, components: Components, max_norm: float, optimizer_index: int | None = None
+    ) -> torch.Tensor | None:
         """Worker: None; the engine clips inside ``step()`` to its ``gradient_clipping``.
 
         Raises:
-            ValueError: ``max_norm`` differs from the engine's ``gradient_clipping``
+            ConfigError (a ``ValueError``): ``max_norm`` differs from the engine's ``gradient_clipping``
                 (set from the trainer's ``max_grad_norm``).
         """
         clipping = engine_state(components).engine.gradient_clipping()
         if not clipping or abs(clipping - max_norm) > 1e-12:
-            raise ValueError(
+            raise ConfigError(
                 f"The deepspeed backend clips inside its engine's step to the configured "
                 f"gradient_clipping ({clipping!r}); clip_grad_norm_({max_norm!r}) cannot change "
                 f"it. Pass max_grad_norm={max_norm!r} to the trainer instead."

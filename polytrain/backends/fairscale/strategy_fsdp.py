@@ -11,7 +11,7 @@ from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.local_state import gathered_local_state, load_whole
 from polytrain.backends.core.precision import Precision, amp_dtype, default_precision
-from polytrain.backends.core.strategy import TorchStrategy
+from polytrain.backends.core.strategy import TorchStrategy, stepped
 from polytrain.backends.fairscale import common
 from polytrain.backends.fairscale import state as fairscale_state
 from polytrain.backends.fairscale.config import FairscaleConfig
@@ -80,15 +80,20 @@ class FairscaleFSDPStrategy(TorchStrategy):
         components.extra[common.OWNERS] = owners
         return components
 
-    def clip_grad_norm_(self, components: Components, max_norm: float) -> torch.Tensor | None:
+    def clip_grad_norm_(
+        self, components: Components, max_norm: float, optimizer_index: int | None = None
+    ) -> torch.Tensor | None:
         """Worker: fairscale FSDP's ``clip_grad_norm_``, which reduces the norm over the shards.
 
-        Gradients are unscaled first. Local mode: plain torch.
+        Gradients are unscaled first. Every model that an optimizer steps, or with
+        ``optimizer_index`` the model of that optimizer. Local mode: plain torch.
         """
         if components.extra.get(common.OWNERS) is None:
-            return super().clip_grad_norm_(components, max_norm)
-        (components.precision or Precision()).unscale_(components.optimizers)
+            return super().clip_grad_norm_(components, max_norm, optimizer_index)
+        (components.precision or Precision()).unscale_(stepped(components, optimizer_index))
         owned = common.owned(components)
+        if optimizer_index is not None:
+            owned = [owned[optimizer_index]]
         norms = [model.clip_grad_norm_(max_norm) for _, model in owned if model is not None]
         return torch.linalg.vector_norm(torch.stack([torch.as_tensor(n).float() for n in norms]))
 

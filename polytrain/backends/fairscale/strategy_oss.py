@@ -13,7 +13,7 @@ from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.ddp_signature import buffer_sync_kwargs
 from polytrain.backends.core.local_state import load_whole, replicated_local_state
 from polytrain.backends.core.precision import Precision, default_precision
-from polytrain.backends.core.strategy import TorchStrategy
+from polytrain.backends.core.strategy import TorchStrategy, stepped
 from polytrain.backends.core.torch_distributed import module_device_ids
 from polytrain.backends.fairscale import common
 from polytrain.backends.fairscale import state as fairscale_state
@@ -112,16 +112,19 @@ class FairscaleOSSStrategy(TorchStrategy):
             else:
                 optimizer.zero_grad()
 
-    def clip_grad_norm_(self, components: Components, max_norm: float) -> torch.Tensor | None:
+    def clip_grad_norm_(
+        self, components: Components, max_norm: float, optimizer_index: int | None = None
+    ) -> torch.Tensor | None:
         """Worker: clip through ``OSS.clip_grad_norm``, which reduces the norm over the shards.
 
         Each rank holds the reduced gradients of its own shard; gradients are unscaled
-        first. Local mode: plain torch.
+        first. Every optimizer, or the one ``optimizer_index`` names. Local mode: plain torch.
         """
         if components.extra.get(common.OWNERS) is None:
-            return super().clip_grad_norm_(components, max_norm)
-        (components.precision or Precision()).unscale_(components.optimizers)
-        norms = [optimizer.clip_grad_norm(max_norm) for optimizer, _ in common.owned(components)]
+            return super().clip_grad_norm_(components, max_norm, optimizer_index)
+        optimizers = stepped(components, optimizer_index)
+        (components.precision or Precision()).unscale_(optimizers)
+        norms = [optimizer.clip_grad_norm(max_norm) for optimizer in optimizers]
         return torch.linalg.vector_norm(torch.stack([torch.as_tensor(n).float() for n in norms]))
 
     def no_sync(self, components: Components) -> contextlib.AbstractContextManager:

@@ -12,6 +12,7 @@ from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.local_state import load_whole, replicated_local_state
 from polytrain.backends.core.precision import Precision, amp_dtype, default_precision
+from polytrain.backends.core.strategy import stepped
 from polytrain.backends.fsdp import state_v1 as fsdp_state
 from polytrain.backends.fsdp import wrap as fsdp_wrap
 from polytrain.backends.fsdp.common import (
@@ -104,19 +105,26 @@ class FSDP1Strategy(ShardedTorchStrategy):
         return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype)
 
     # ------------------------------------------------------------------- step
-    def clip_grad_norm_(self, components: Components, max_norm: float) -> torch.Tensor | None:
+    def clip_grad_norm_(
+        self, components: Components, max_norm: float, optimizer_index: int | None = None
+    ) -> torch.Tensor | None:
         """Worker: clip every sharded model with FSDP1's ``clip_grad_norm_`` (after unscaling).
 
         FSDP1 leaves each rank the gradients of its own shard: torch's
         ``clip_grad_norm_`` over them would measure one rank's part only, FSDP1's
         all-reduces the squared norms first. Unsharded models (local mode) use plain
         torch. With several sharded models each is clipped to ``max_norm`` on its own;
-        the returned norm is the global one over all of them.
+        the returned norm is the global one over all of them. ``optimizer_index``:
+        only the model that optimizer steps.
         """
-        sharded = [model for model in components.models if self.is_sharded(model)]
+        models = components.models
+        if optimizer_index is not None:
+            owner = _sharding.owner_index(components.optimizers[optimizer_index], models)
+            models = [models[owner]] if owner is not None else []
+        sharded = [model for model in models if self.is_sharded(model)]
         if not sharded:
-            return super().clip_grad_norm_(components, max_norm)
-        (components.precision or Precision()).unscale_(components.optimizers)
+            return super().clip_grad_norm_(components, max_norm, optimizer_index)
+        (components.precision or Precision()).unscale_(stepped(components, optimizer_index))
         norms = [model.clip_grad_norm_(max_norm) for model in sharded]
         return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
 

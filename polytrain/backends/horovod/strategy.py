@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from polytrain.backends.core.context import Components, WorkerContext
-from polytrain.backends.core.strategy import TorchStrategy
+from polytrain.backends.core.strategy import TorchStrategy, stepped
 
 if TYPE_CHECKING:
     from polytrain.backends.horovod.config import HorovodConfig
 
 # Backward passes since the last optimizer step, kept with the components they count.
 _ACCUM_KEY = "horovod_backward_passes"
-# Set when clipping already waited for the allreduce: the step must not wait again.
+# The optimizers (ids) whose allreduce clipping already waited for: their step must not wait again.
 _SYNCED_KEY = "horovod_synchronized"
 
 
@@ -143,14 +143,11 @@ class HorovodStrategy(TorchStrategy):
         """
         if self._accumulating(components):
             return
-        optimizers = (
-            components.optimizers
-            if optimizer_index is None
-            else [components.optimizers[optimizer_index]]
-        )
         scaler = components.scaler
-        synced = components.extra.pop(_SYNCED_KEY, False)
-        for optimizer in optimizers:
+        waited = components.extra.setdefault(_SYNCED_KEY, set())
+        for optimizer in stepped(components, optimizer_index):
+            synced = id(optimizer) in waited
+            waited.discard(id(optimizer))
             if scaler is not None:
                 if not synced:
                     optimizer.synchronize()
@@ -164,19 +161,23 @@ class HorovodStrategy(TorchStrategy):
         if scaler is not None:
             scaler.update()
 
-    def clip_grad_norm_(self, components: Components, max_norm: float) -> torch.Tensor | None:
+    def clip_grad_norm_(
+        self, components: Components, max_norm: float, optimizer_index: int | None = None
+    ) -> torch.Tensor | None:
         """Worker: wait for the allreduce, unscale, then clip the averaged gradients.
 
         Clipping before ``synchronize()`` would measure each rank's own, unreduced
         gradients (the allreduce completes inside ``step()``); the next :meth:`step`
-        then skips its own synchronisation.
+        then skips its own synchronisation. Every optimizer's gradients, or with
+        ``optimizer_index`` that optimizer's.
         """
-        for optimizer in components.optimizers:
+        optimizers = stepped(components, optimizer_index)
+        for optimizer in optimizers:
             optimizer.synchronize()
-        components.extra[_SYNCED_KEY] = True
+        components.extra.setdefault(_SYNCED_KEY, set()).update(id(o) for o in optimizers)
         if components.precision is not None:
-            components.precision.unscale_(components.optimizers)
-        params = [p for group in _param_groups(components) for p in group["params"]]
+            components.precision.unscale_(optimizers)
+        params = [p for o in optimizers for group in o.param_groups for p in group["params"]]
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     @contextlib.contextmanager
@@ -214,10 +215,6 @@ class HorovodStrategy(TorchStrategy):
 
 
 # --------------------------------------------------------------------- helpers
-def _param_groups(components: Components) -> list[dict[str, Any]]:
-    return [group for optimizer in components.optimizers for group in optimizer.param_groups]
-
-
 class _HostStaging:
     """A Horovod compression that stages GPU tensors through host memory.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +102,17 @@ class IdleGroup:
         """Number of workers."""
         return len(self.actors)
 
+    @property
+    def owned_placement_groups(self) -> list[Any]:
+        """The placement groups :meth:`stop` removes (none when a Tune trial owns them)."""
+        if not self.owns_placement_group:
+            return []
+        return [g for g in (self.placement_group, *self.extra_placement_groups) if g is not None]
+
+    def held_per_node(self) -> dict[str, dict[str, float]]:
+        """``{node id: {resource: amount}}``: what the group's own bundles hold on each node."""
+        return held_per_node(self.metadata, self.key.bundle) if self.owned_placement_groups else {}
+
     def stop(self) -> None:
         """Kill the actors, remove an own placement group (an earlier session's: forget them)."""
         import ray
@@ -127,3 +138,16 @@ def stop_actors(actors: Sequence[Any], *placement_groups: Any) -> None:
         if placement_group is not None:
             with contextlib.suppress(Exception):  # already removed is fine
                 remove_placement_group(placement_group)
+
+
+def held_per_node(
+    metadata: Sequence[Any], bundle: Iterable[tuple[str, float]]
+) -> dict[str, dict[str, float]]:
+    """``{node id: {resource: amount}}`` of one ``bundle`` per worker (``metadata``: where each runs)."""
+    items = list(bundle)
+    held: dict[str, dict[str, float]] = {}
+    for meta in metadata:
+        node = held.setdefault(getattr(meta, "node_id", "?"), {})
+        for resource, amount in items:
+            node[resource] = node.get(resource, 0.0) + amount
+    return held

@@ -30,10 +30,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from polytrain.launchers.pool import release
 from polytrain.launchers.pool.groups import (
     RESIZABLE_STRATEGIES,
     IdleGroup,
     PoolKey,
+    held_per_node,
     session_token,
     stop_actors,
 )
@@ -69,6 +71,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: Removals older than this are not waited for any more (long done, or never will be).
+_RELEASE_HORIZON_S = 120.0
 
 
 def configure(
@@ -117,6 +122,7 @@ class WorkerPool:
         self._closed = False
         self._atexit_registered = False
         self._pending_seen: set[str] = set()
+        self._releasing: list[release.Release] = []  # removals not waited for yet
         self.counts = {"hits": 0, "misses": 0, "resized": 0, "returned": 0, "stopped": 0}
 
     # ---------------------------------------------------------------- use
@@ -193,7 +199,7 @@ class WorkerPool:
             return None
         return idle, list(metadata)
 
-    def yield_to(self, bundle: dict[str, float], wait_s: float = 5.0) -> int:
+    def yield_to(self, bundle: dict[str, float], wait_s: float = 30.0) -> int:
         """Stop the idle groups holding resources a new placement group of ``bundle`` could use.
 
         Called before a placement group of this process is created, so that it lands
@@ -201,9 +207,11 @@ class WorkerPool:
         (SPREAD would pack beside them, PACK spread), a strict one would wait for the
         reaper. Groups with their own placement group whose bundle shares a resource
         with ``bundle`` yield; a Tune trial's bundles stay with the trial anyway, and
-        a group that serves the new one was taken out of the pool before. Waits up to
-        ``wait_s`` until Ray shows their resources free (it reports them a moment after
-        the placement groups are removed). Returns the number of groups stopped.
+        a group that serves the new one was taken out of the pool before. Waits (at
+        most ``wait_s``; about a second on a quiet machine) until their resources are
+        really free on every node (:func:`~polytrain.launchers.pool.release.wait_until_released`):
+        Ray gives a removed placement group's bundles back asynchronously, and a group
+        placed before that degrades around them. Returns the number of groups stopped.
         """
         wanted = {resource for resource, amount in bundle.items() if amount > 0}
         with self._lock:
@@ -213,33 +221,61 @@ class WorkerPool:
                 if g.owns_placement_group and wanted & {r for r, a in g.key.bundle if a > 0}
             ]
             self._idle = [g for g in self._idle if g not in yielding]
-        if yielding:
-            self._stop_and_wait(yielding, wait_s)
+        self._stop_and_wait(yielding, wait_s)  # and any earlier removal still in flight
         return len(yielding)
 
     def _stop_and_wait(self, groups: Sequence[IdleGroup], wait_s: float) -> None:
-        """Stop ``groups`` and wait (at most ``wait_s``) until Ray shows what they held free."""
+        """Stop ``groups`` and wait (at most ``wait_s``) until what they held is free on every node."""
+        self._stop(groups)
+        self.wait_for_releases(wait_s)
+
+    def stop_unpooled(
+        self,
+        actors: Sequence[Any],
+        metadata: Sequence[Any],
+        placement_groups: Sequence[Any],
+        bundle: dict[str, float],
+    ) -> None:
+        """Stop a group that does not go back to the pool; its release is waited for like the pool's.
+
+        Args:
+            actors: the workers (killed).
+            metadata: where each worker runs (its ``node_id``), in the order of ``actors``.
+            placement_groups: the group's own placement groups (removed; none for a Tune
+                trial's, which stay with the trial).
+            bundle: the per-worker bundle.
+        """
+        owned = [pg for pg in placement_groups if pg is not None]
+        self._note_release([held_per_node(metadata, bundle.items())], owned)
+        stop_actors(actors, *owned)
+
+    def wait_for_releases(self, wait_s: float = 30.0) -> bool:
+        """Wait (at most ``wait_s``) until the placement groups this process removed are free.
+
+        Every removal of this process's pool or groups since the last wait (see
+        :mod:`polytrain.launchers.pool.release`); True when all of them are complete.
+        """
+        with self._lock:
+            pending, self._releasing = self._releasing, []
+        if not pending:
+            return True
+        return release.wait_until_released(pending, wait_s)
+
+    def _note_release(
+        self, held_by_group: Sequence[dict[str, dict[str, float]]], pgs: Sequence[Any]
+    ) -> None:
+        """Record placement groups about to be removed (Ray up, this session's), for the next wait."""
         import ray
 
-        if not ray.is_initialized():
-            self._stop(groups)
+        if not pgs or not ray.is_initialized():
             return
-        freed: dict[str, float] = {}
-        session = session_token()
-        for group in groups:
-            if group.owns_placement_group and group.key.session == session:  # else forgotten
-                for resource, amount in group.key.bundle:
-                    freed[resource] = freed.get(resource, 0.0) + amount * group.size
-        before = ray.available_resources()
-        self._stop(groups)
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            available = ray.available_resources()
-            if all(
-                available.get(r, 0.0) >= before.get(r, 0.0) + a - 1e-6 for r, a in freed.items()
-            ):
-                return
-            time.sleep(0.05)
+        try:
+            entry = release.begin(held_by_group, pgs)
+        except Exception:  # noqa: BLE001 - Ray going down: nothing to wait for
+            return
+        with self._lock:
+            horizon = time.monotonic() - _RELEASE_HORIZON_S
+            self._releasing = [r for r in self._releasing if r.started > horizon] + [entry]
 
     def trim(self) -> None:
         """Apply the current settings now: stop what is over ``max_idle`` (all when off)."""
@@ -283,11 +319,22 @@ class WorkerPool:
         return evicted
 
     def _stop(self, groups: Sequence[IdleGroup]) -> None:
+        if not groups:
+            return
+        import ray
+
+        try:
+            session = session_token() if ray.is_initialized() else None
+        except Exception:  # noqa: BLE001 - Ray going down: their stop does nothing
+            session = None
+        ours = [g for g in groups if g.key.session == session]
+        self._note_release(
+            [g.held_per_node() for g in ours], [pg for g in ours for pg in g.owned_placement_groups]
+        )
         for group in groups:
             group.stop()
-        if groups:
-            with self._lock:
-                self.counts["stopped"] += len(groups)
+        with self._lock:
+            self.counts["stopped"] += len(groups)
 
     def _start_reaper_locked(self) -> None:
         if not self._atexit_registered:

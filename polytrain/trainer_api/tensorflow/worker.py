@@ -22,7 +22,7 @@ from polytrain.backends.core.backend import Backend
 from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.strategy import KerasStrategy
 from polytrain.compat.keras import check_keras_model
-from polytrain.errors import ConfigError, CreatorError
+from polytrain.errors import ConfigError, CreatorError, CreatorTypeError
 from polytrain.launchers.worker import WORKER_STATE, report_progress
 from polytrain.trainer_api.creators import _describe, check_callable
 
@@ -75,14 +75,14 @@ class TFCreators:
                 continue
             if type(dataset).__module__.startswith("ray.data"):
                 # Splitting between the workers must happen once, on the driver.
-                raise CreatorError(
+                raise CreatorTypeError(
                     f"data_creator returned {_describe(dataset)}, a Ray Dataset: a worker "
                     f"cannot split it with the others. Pass it to the trainer instead: "
                     f"TFTrainer(..., datasets={{'train': ds, 'val': val_ds}}) without a "
                     f"data_creator."
                 )
             if not isinstance(dataset, tf.data.Dataset):
-                raise CreatorError(
+                raise CreatorTypeError(
                     f"data_creator returned {_describe(dataset)} as its {label}; expected a "
                     f"tf.data.Dataset batched with the global batch size "
                     f"(dataset.batch(config['batch_size'])). Signature: {_DATA_SIGNATURE}."
@@ -281,7 +281,7 @@ def validate(num_steps: int | None) -> dict[str, Any]:
     state = _state()
     dataset = state.components.val_loader
     if dataset is None:
-        raise ValueError(
+        raise CreatorError(
             "validate() needs validation data: make data_creator return "
             "(train_dataset, val_dataset)."
         )

@@ -8,15 +8,15 @@ HuggingFace ``ModelOutput``, or a dict with ``"loss"``) needs no ``loss_creator`
 Token batches also report ``num_tokens``: the tokens that count (the
 ``attention_mask`` sum, else the labels that are not the ignore index).
 
-The step itself (:func:`train_step`) splits an optimizer step into micro-batches
-(:func:`micro_batches`) and asks the backend's strategy, through the operator,
-for every part that differs between backends: skipping gradient sync, scaling
-the loss, clipping the global norm and stepping.
+The step itself (:func:`train_step`) is a forward between the operator's
+``zero_grad`` / ``backward`` / ``step``, which ask the backend's strategy for
+every part that differs between backends (skipping gradient sync, scaling the
+loss, clipping the global norm, stepping) on the micro-batches that
+:func:`micro_batches` groups into an optimizer step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping
@@ -137,40 +137,20 @@ def _num_tokens(batch: Mapping) -> int | None:
 def train_step(operator: Operator, batch: Any, batch_info: dict[str, Any]) -> dict[str, Any]:
     """The default ``train_batch``: one micro-batch, and the optimizer step after the last.
 
-    The loss is divided by the micro-batches of the step (through the strategy:
-    DeepSpeed's backward divides by itself), the backward of every micro-batch
-    but the last skips gradient sync, and after the last the global gradient norm
-    is clipped (``max_grad_norm``) and the optimizer steps.
+    ``operator.zero_grad()``, the forward, ``operator.backward(loss)``,
+    ``operator.step()``: the operator's helpers divide the loss by the micro-batches
+    of the step and skip gradient sync on all but the last, clip the global
+    gradient norm (``max_grad_norm``, reported as ``grad_norm``) and step after the
+    last (see :class:`~polytrain.trainer_api.torch.operator.TrainingOperator`).
     """
-    micro = MicroBatch(batch_info.get("micro_step", 0), batch_info.get("num_micro_steps", 1))
-    strategy, components = operator.strategy, operator.components
-    if micro.first:
-        operator.zero_grad()
+    operator.zero_grad()
     loss, output, target = forward(operator, batch)
     # The backward needs only what autograd saved: holding the output (a language model's
     # logits and key/value cache) through backward and step would add its size to the peak.
     del output
-    scaled = strategy.accumulation_loss(loss, components, micro)
-    with contextlib.nullcontext() if micro.last else operator.no_sync():
-        operator.backward(scaled)
-    stats: dict[str, Any] = {"loss": loss.item(), **batch_counts(batch, target)}
-    if micro.last:
-        stats.update(optimizer_step(operator))
-    else:
-        strategy.end_micro_batch(components, micro)
-    return stats
-
-
-def optimizer_step(operator: Operator) -> dict[str, Any]:
-    """Clip (with ``max_grad_norm``) and step; ``{"grad_norm": ...}`` when clipping."""
-    max_norm = operator.context.step.max_grad_norm
-    norm = operator.clip_grad_norm_(max_norm) if max_norm is not None else None
+    operator.backward(loss)
     operator.step()
-    if max_norm is None:
-        return {}
-    if norm is None:  # the backend clips inside its step (DeepSpeed)
-        norm = operator.strategy.step_grad_norm(operator.components)
-    return {"grad_norm": float(norm)} if norm is not None else {}
+    return {"loss": loss.item(), **batch_counts(batch, target)}
 
 
 def validate_step(operator: Operator, batch: Any) -> dict[str, Any]:

@@ -7,6 +7,16 @@ multiple losses or any other step. Whatever differs between backends (how to
 back-propagate, step, skip gradient sync, autocast) is reached through the
 operator's methods, which ask the backend's worker-side strategy: a custom
 operator written once runs on every backend.
+
+The trainer's step options hold for a custom step as for the default one, which
+is itself ``self.zero_grad(); self.backward(loss); self.step()`` around a forward:
+``self.step()`` clips to ``max_grad_norm`` (unless the step called
+``self.clip_grad_norm_``), the three helpers accumulate over
+``gradient_accumulation_steps`` batches, an overridden ``train_batch`` /
+``train_epoch`` / ``validate_batch`` runs under the ``precision``'s autocast, and
+``activation_checkpointing`` / ``compile`` are applied to the model before the
+operator exists. A custom step that goes around the helpers where an option
+lives there is refused (:mod:`polytrain.trainer_api.torch.step_record`).
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from polytrain.trainer_api.data.loaders import move_to_device
 from polytrain.trainer_api.profiling import PhaseTimer
 from polytrain.trainer_api.results import is_finite_number
 from polytrain.trainer_api.torch import default_step
+from polytrain.trainer_api.torch.step_record import StepRecord
 
 
 class NonFiniteLossError(PolytrainError, FloatingPointError):
@@ -65,6 +76,9 @@ class TrainingOperator:
         self.last_val_loss: float | None = None
         #: Times the phases of the current call when it was made with ``profile=True``.
         self.timer = PhaseTimer()
+        self._record = StepRecord(
+            context.step, len(components.optimizers), components.scaler is not None
+        )
 
     # ----------------------------------------------------------- user hooks
     def setup(self, config: dict[str, Any]) -> None:
@@ -119,32 +133,85 @@ class TrainingOperator:
 
     # ------------------------------------------------- backend-aware helpers
     def autocast(self) -> contextlib.AbstractContextManager:
-        """Mixed-precision context for the forward pass (a no-op unless ``use_fp16``)."""
+        """Mixed-precision context for the forward pass (a no-op unless ``use_fp16``).
+
+        An overridden ``train_batch``, ``train_epoch`` or ``validate_batch`` already runs
+        inside it (as Lightning runs a ``training_step``); the default step's forward too.
+        """
         return self.strategy.autocast(self.components)
 
     def zero_grad(self) -> None:
-        """Clear gradients the way the backend needs it (``step_s`` of a profile)."""
+        """Clear gradients the way the backend needs it (``step_s`` of a profile).
+
+        With ``gradient_accumulation_steps=k`` only the first batch of a step clears
+        them; the other k-1 add theirs.
+        """
+        if not self._record.current().first:
+            return
         with self.timer.phase("step"):
             self.strategy.zero_grad(self.components)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagate through the backend (scaling, engines, allreduce hooks; ``backward_s``)."""
+        """Back-propagate through the backend (scaling, engines, allreduce hooks; ``backward_s``).
+
+        With ``gradient_accumulation_steps=k`` the loss is divided by the step's batches
+        (k, or fewer for an epoch's remainder), so the step equals one over the k-times
+        larger batch, and every batch but the step's last skips the gradient sync.
+        """
+        micro = self._record.current()
+        self._record.backward()
         with self.timer.phase("backward"):
-            self.strategy.backward(loss, self.components)
+            scaled = self.strategy.accumulation_loss(loss, self.components, micro)
+            with contextlib.nullcontext() if micro.last else self.no_sync():
+                self.strategy.backward(scaled, self.components)
 
     def step(self, optimizer_index: int | None = None) -> None:
-        """Apply gradients through the backend (``step_s`` of a profile)."""
-        with self.timer.phase("step"):
-            self.strategy.step(self.components, optimizer_index)
+        """Apply gradients through the backend (``step_s`` of a profile).
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor | None:
+        With the trainer's ``max_grad_norm``, first clips the global gradient norm
+        (every optimizer's, or ``optimizer_index``'s) as :meth:`clip_grad_norm_` does,
+        unless this step called that already, and reports ``grad_norm`` (with several
+        optimizers stepped one by one, ``grad_norm_<index>``). With
+        ``gradient_accumulation_steps=k`` only the last batch of a step applies them.
+
+        Raises:
+            StepOptionError: (a ``ValueError``) accumulation outside the trainer's batch
+                loop, or a step whose loss was not back-propagated with :meth:`backward`
+                where that scales or accumulates; the message says what to call instead.
+        """
+        micro = self._record.step_position()
+        with self.timer.phase("step"):
+            if not micro.last:
+                self.strategy.end_micro_batch(self.components, micro)
+                return
+            measured = None
+            if self._record.needs_clip(optimizer_index):
+                max_norm = self.context.step.max_grad_norm
+                measured = self.strategy.clip_grad_norm_(self.components, max_norm, optimizer_index)
+                self._record.clipped(optimizer_index, measured)
+            self.strategy.step(self.components, optimizer_index)
+            engine_norm = None
+            if self.context.step.max_grad_norm is not None and measured is None:
+                engine_norm = self.strategy.step_grad_norm(self.components)  # DeepSpeed's
+        self._record.stepped(optimizer_index, engine_norm)
+
+    def clip_grad_norm_(
+        self, max_norm: float, optimizer_index: int | None = None
+    ) -> torch.Tensor | None:
         """Clip the global gradient norm where the backend needs it; the norm before clipping.
 
-        Call it between :meth:`backward` and :meth:`step`. ``None`` where the backend
-        clips inside its step (DeepSpeed, to the trainer's ``max_grad_norm``).
+        Call it between :meth:`backward` and :meth:`step` (which then does not clip
+        again); ``optimizer_index``: only the gradients that optimizer applies. ``None``
+        where the backend clips inside its step (DeepSpeed, to the trainer's
+        ``max_grad_norm``), and on the batches of a step that do not step
+        (``gradient_accumulation_steps``).
         """
+        if not self._record.current().last:
+            return None
         with self.timer.phase("step"):
-            return self.strategy.clip_grad_norm_(self.components, max_norm)
+            norm = self.strategy.clip_grad_norm_(self.components, max_norm, optimizer_index)
+        self._record.clipped(optimizer_index, norm)
+        return norm
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Context for gradient accumulation: backward passes inside it do not synchronise."""
@@ -174,6 +241,7 @@ class TrainingOperator:
         total = _expected_steps(iterator, num_steps, k)
         first_idx = int(info.get("first_batch_idx", 0))
         tally = _Tally()
+        custom_batch = overrides(self, "train_batch")
         report_progress(0, total, phase="train", epoch=epoch)
         for batch, micro in default_step.micro_batches(iterator, k):
             if num_steps is not None and tally.steps >= num_steps:
@@ -189,8 +257,10 @@ class TrainingOperator:
                 "micro_step": micro.index,
                 "num_micro_steps": micro.size,
             }
-            with self.timer.phase("batch"):
+            self._record.begin_batch(micro)
+            with self.timer.phase("batch"), self._autocast_if(custom_batch):
                 metrics = self.train_batch(batch, batch_info) or {}
+            self._record.end_batch(metrics)
             self._check_loss(metrics, epoch, batch_idx)
             tally.add(metrics, step=micro.last)
             if not micro.last:
@@ -202,7 +272,7 @@ class TrainingOperator:
                 tally.steps, total, phase="train", epoch=epoch, loss=metrics.get("loss")
             )
         if tally.steps == 0:
-            raise ValueError(
+            raise CreatorError(
                 f"The training data loader of rank {self.world_rank} yielded no batches "
                 f"(per-worker batch_size={self.config.get('batch_size')}, "
                 f"len(loader)={_safe_len(self.train_loader)}). Give the data_creator more "
@@ -212,6 +282,25 @@ class TrainingOperator:
             self._step_schedulers()
         report_progress(tally.steps, total, phase="idle", epoch=epoch)
         return tally.result("epoch_time_s")
+
+    def train_call(self, iterator: Iterable, info: dict[str, Any]) -> dict[str, Any]:
+        """One ``train()`` call on this worker: :meth:`train_epoch`, keeping the step options.
+
+        What the worker runs (override :meth:`train_epoch`, not this). An overridden
+        ``train_epoch`` runs under the precision's autocast and gets the mean
+        ``grad_norm`` of its steps; a call whose step went around :meth:`step` where
+        an option lives there fails with :class:`StepOptionError`.
+        """
+        own_loop = overrides(self, "train_epoch")
+        self._record.begin_call()
+        with self._autocast_if(own_loop):
+            stats = self.train_epoch(iterator, info)
+        self._record.end_call(stats, own_loop)
+        return stats
+
+    def _autocast_if(self, custom: bool) -> contextlib.AbstractContextManager:
+        # A user's step may not open the autocast itself; the default step does.
+        return self.autocast() if custom else contextlib.nullcontext()
 
     def _check_loss(self, metrics: dict[str, Any], epoch: Any, batch_idx: int) -> None:
         if not (self.check_finite_loss and "loss" in metrics):
@@ -232,6 +321,7 @@ class TrainingOperator:
         self._set_train_mode(False)
         num_steps = info.get("num_steps")
         tally = _Tally()
+        custom_batch = overrides(self, "validate_batch")
         with torch.no_grad():
             batches = iter(iterator)
             while num_steps is None or tally.steps < num_steps:
@@ -240,7 +330,7 @@ class TrainingOperator:
                     if batch is _END:
                         break
                     batch = self.to_device(batch)
-                with self.timer.phase("batch"):
+                with self.timer.phase("batch"), self._autocast_if(custom_batch):
                     metrics = self.validate_batch(batch, {**info, "batch_idx": tally.steps})
                 tally.add(metrics or {})
                 report_progress(tally.steps, None, phase="validate")
@@ -332,6 +422,15 @@ class TrainingOperator:
 
 
 _END = object()
+
+
+def overrides(operator: TrainingOperator, name: str) -> bool:
+    """Whether ``operator`` replaces :class:`TrainingOperator`'s method ``name``.
+
+    On its class, or on the instance (RaySGD's tests assign ``train_batch`` in ``setup``).
+    """
+    method = getattr(operator, name)
+    return getattr(method, "__func__", method) is not getattr(TrainingOperator, name)
 
 
 def _expected_steps(iterator: Any, num_steps: int | None, k: int = 1) -> int | None:

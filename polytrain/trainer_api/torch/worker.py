@@ -24,6 +24,7 @@ from polytrain.checkpoint import single_file as ckpt
 from polytrain.checkpoint.directory import SaveRequest
 from polytrain.checkpoint.safetensors_export import META_KEY
 from polytrain.compat.allocator import release_free_memory
+from polytrain.errors import CreatorError
 from polytrain.launchers.worker import WORKER_STATE
 from polytrain.trainer_api.creators import TorchCreators
 from polytrain.trainer_api.data.cursor import DataCursor
@@ -31,7 +32,7 @@ from polytrain.trainer_api.data.loaders import add_distributed_sampler
 from polytrain.trainer_api.profiling import PhaseTimer
 from polytrain.trainer_api.torch import checkpoint as checkpoint_torch
 from polytrain.trainer_api.torch import stopping
-from polytrain.trainer_api.torch.operator import TrainingOperator
+from polytrain.trainer_api.torch.operator import TrainingOperator, overrides
 
 _KEY = "torch_trainer"
 _CURSOR = "torch_trainer_cursor"
@@ -133,14 +134,9 @@ def _check_default_step_fits(operator: TrainingOperator) -> None:
     itself; should its own ``train_epoch`` still call the default ``train_batch``,
     that step refuses then (see :meth:`TrainingOperator.train_batch`).
     """
-    if _overridden(operator, "train_batch") or _overridden(operator, "train_epoch"):
+    if overrides(operator, "train_batch") or overrides(operator, "train_epoch"):
         return
     operator.check_single_model()
-
-
-def _overridden(operator: TrainingOperator, name: str) -> bool:
-    method = getattr(operator, name)
-    return getattr(method, "__func__", method) is not getattr(TrainingOperator, name)
 
 
 def _add_samplers(components: Components, replicas: int, rank: int) -> None:
@@ -161,7 +157,7 @@ def _count_batches(loader: Any, ctx: WorkerContext, config: dict[str, Any]) -> i
     except TypeError:
         return -1
     if num_batches == 0:
-        raise ValueError(
+        raise CreatorError(
             f"The training data loader of rank {ctx.world_rank} has no batches (per-worker "
             f"batch_size={config.get('batch_size')}, dataset size "
             f"{_dataset_len(loader)}, drop_last="
@@ -285,7 +281,7 @@ def train_epoch(call: TrainCall) -> dict[str, Any]:
             iterator = stopping.GatedSteps(iterator, stopping.gate())
             iterator.gate.begin(call.call_id)
         try:
-            stats = operator.train_epoch(iterator, info)
+            stats = operator.train_call(iterator, info)
         finally:
             if call.call_id is not None:
                 iterator.gate.end()
@@ -351,7 +347,7 @@ def validate(
     """Evaluate ``num_steps`` batches (None: all) of this worker's share of the validation data."""
     operator = _operator()
     if operator.val_loader is None:
-        raise ValueError(
+        raise CreatorError(
             "validate() needs validation data: make data_creator return (train_loader, val_loader)."
         )
     operator.timer = PhaseTimer(profile, operator.device)
