@@ -191,8 +191,14 @@ def _adapter_name(model: Any) -> str:
 
 
 def _config_files(config: Any) -> dict[str, str]:
-    with tempfile.TemporaryDirectory(prefix="polytrain-peft-config-") as folder:
-        config.save_pretrained(folder)
+    return files_written(config.save_pretrained)
+
+
+def files_written(*writers: Any) -> dict[str, str]:
+    """``{file name: text}`` of what the ``save_pretrained``-like ``writers`` write into a folder."""
+    with tempfile.TemporaryDirectory(prefix="polytrain-hf-files-") as folder:
+        for write in writers:
+            write(folder)
         files = {}
         for file_name in sorted(os.listdir(folder)):
             with open(os.path.join(folder, file_name), encoding="utf-8") as handle:

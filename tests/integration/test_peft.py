@@ -28,8 +28,8 @@ peft = pytest.importorskip("peft")
 
 from polytrain import TorchTrainer  # noqa: E402
 from polytrain.hf import pretrained  # noqa: E402
+from tests.integration.test_language_model import VOCAB, TokenSequences  # noqa: E402
 
-VOCAB, SEQ = 128, 16
 PER_WORKER, WORKERS, ACCUMULATION, STEPS = 4, 2, 2, 3
 NUM_SEQUENCES = PER_WORKER * WORKERS * ACCUMULATION * STEPS
 LR, MAX_NORM = 2e-2, 0.05
@@ -83,22 +83,10 @@ class SeededPretrained:
         return pretrained(self.path)(config)
 
 
-class Sequences(torch.utils.data.Dataset):
-    def __init__(self, n: int, seed: int = 1) -> None:
-        g = torch.Generator().manual_seed(seed)
-        start = torch.randint(0, VOCAB, (n, 1), generator=g)
-        stride = torch.randint(1, 5, (n, 1), generator=g)
-        self.ids = (start + stride * torch.arange(SEQ)) % VOCAB
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def data_creator(config: dict):
-    return torch.utils.data.DataLoader(Sequences(NUM_SEQUENCES), batch_size=config["batch_size"])
+    return torch.utils.data.DataLoader(
+        TokenSequences(NUM_SEQUENCES), batch_size=config["batch_size"]
+    )
 
 
 def adamw_creator(model, config):
@@ -112,7 +100,7 @@ def reference(path: str, clip: bool = True) -> tuple[torch.nn.Module, list[float
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01
     )
-    ids = Sequences(NUM_SEQUENCES).ids
+    ids = TokenSequences(NUM_SEQUENCES).ids
     micro = PER_WORKER * WORKERS
     losses = []
     for step in range(STEPS):
@@ -120,7 +108,7 @@ def reference(path: str, clip: bool = True) -> tuple[torch.nn.Module, list[float
         total = 0.0
         for j in range(ACCUMULATION):
             chunk = ids[(step * ACCUMULATION + j) * micro :][:micro]
-            loss = model(input_ids=chunk, labels=chunk).loss
+            loss = model(input_ids=chunk, attention_mask=torch.ones_like(chunk), labels=chunk).loss
             (loss / ACCUMULATION).backward()
             total += loss.item() / ACCUMULATION
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM if clip else math.inf)

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import re
 import sys
-import tempfile
 from typing import Any
 
 from polytrain.checkpoint.pieces import persistent_buffers
@@ -161,17 +159,12 @@ def hf_files(model: Any) -> dict[str, str]:
         config.dtype = str(dtype).split(".")[-1]
     # FSDP2 renames the class of a fully_shard-ed module (FSDPGPT2LMHeadModel).
     config.architectures = [type(model).__name__.removeprefix("FSDP")]
-    with tempfile.TemporaryDirectory(prefix="polytrain-hf-config-") as folder:
-        config.save_pretrained(folder)
-        can_generate = getattr(model, "can_generate", None)
-        generation = getattr(model, "generation_config", None)
-        if callable(can_generate) and can_generate() and generation is not None:
-            generation.save_pretrained(folder)
-        files = {}
-        for name in sorted(os.listdir(folder)):
-            with open(os.path.join(folder, name), encoding="utf-8") as handle:
-                files[name] = handle.read()
-    return files
+    writers = [config.save_pretrained]
+    can_generate = getattr(model, "can_generate", None)
+    generation = getattr(model, "generation_config", None)
+    if callable(can_generate) and can_generate() and generation is not None:
+        writers.append(generation.save_pretrained)
+    return adapters.files_written(*writers)
 
 
 def _require_transformers_model(model: Any, config: Any) -> None:
