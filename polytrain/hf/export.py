@@ -98,7 +98,10 @@ def merged_tensors(
         )
     names, shapes, sources = [], {}, {}
     fallback = None
+    tied = (peft.get("merged") or {}).get("drop") or {}  # written once, under the kept name
     for key, name in peft["base_keys"].items():
+        if key not in tensors.shape_dtype and name in tied:
+            continue
         if key in tensors.shape_dtype:
             shapes[name], sources[name] = tensors.shape_dtype[key], key
         else:

@@ -141,15 +141,11 @@ def test_the_reference_is_sensitive_to_the_clip(references, base_path):
 def _worker_view(operator) -> dict:
     """On a worker: the optimizers' parameters and state bytes, and (rank 0) the full weights."""
     from tests.integration.test_peft import optimizer_report
+    from tests.integration.test_pretrained import _full_weights
 
-    full = operator.strategy.full_state_dict(operator.components, operator.context)
     model = operator.strategy.unwrap_model(operator.models[0])
     trainable = sum(1 for p in model.parameters() if p.requires_grad)
-    return {
-        **optimizer_report(operator),
-        "trainable": trainable,
-        "full": full["models"][0] if full else None,
-    }
+    return {**optimizer_report(operator), "trainable": trainable, "full": _full_weights(operator)}
 
 
 def optimizer_report(operator) -> dict:
@@ -208,19 +204,18 @@ def make_trainer(base_path: str, backend: str, backend_config, creator: str, **k
         model_creator, extra = HFPeftCreator(base_path), {}
     else:
         model_creator, extra = SeededPretrained(base_path), {"peft_config": lora_config()}
+    options = {"failure_config": {"max_retries": 0}, **extra, **kwargs}
     return TorchTrainer(
         model_creator=model_creator,
         data_creator=data_creator,
         optimizer_creator=adamw_creator,
-        config={"batch_size": PER_WORKER * WORKERS},
+        config={"batch_size": PER_WORKER * WORKERS, **options.pop("config", {})},
         num_workers=WORKERS,
         backend=backend,
         backend_config=backend_config,
         max_grad_norm=MAX_NORM,
         gradient_accumulation_steps=ACCUMULATION,
-        failure_config={"max_retries": 0},
-        **extra,
-        **kwargs,
+        **options,
     )
 
 

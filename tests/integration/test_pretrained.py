@@ -168,6 +168,16 @@ def test_each_rank_reads_its_part_and_the_weights_equal_from_pretrained(
     assert torch.isfinite(torch.tensor(loss))
 
 
+def _full_weights(operator) -> dict | None:
+    full = operator.strategy.full_state_dict(operator.components, operator.context)
+    return full["models"][0] if full is not None else None
+
+
+def full_weights(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
+    """Every tensor of the model, frozen ones included, gathered from the workers' shards."""
+    return trainer.apply_all_operators(_full_weights)[0]
+
+
 def peft_creator_factory(path: str):
     def creator(config: dict) -> torch.nn.Module:
         import peft
@@ -198,7 +208,7 @@ def test_transformers_from_pretrained_in_a_creator_works_with_the_defaults(
     expected = creator({}).state_dict()
     trainer = make_trainer(creator, backend, backend_config)
     try:
-        weights = trainer.state_dict()["models"][0]
+        weights = full_weights(trainer)  # the state leaves the frozen base out: gather it all
         trainer.train(num_steps=1)
     finally:
         trainer.shutdown()

@@ -83,7 +83,8 @@ def tensors_and_info(model: torch.nn.Module, drop_frozen: bool = False):
     """What the workers write: every tensor (or only the trained ones) and the live model's info."""
     state = model.state_dict()
     if drop_frozen:  # a checkpoint of the run: the frozen base left out
-        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        named = model.named_parameters(remove_duplicate=False)  # tied names too, as the workers
+        frozen = {n for n, p in named if not p.requires_grad}
         state = {k: v for k, v in state.items() if k not in frozen}
     return ModelTensors.from_state(state), export_info(model, strict=True)
 
