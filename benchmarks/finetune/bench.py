@@ -231,6 +231,9 @@ def main() -> None:
     if not args.render_only:
         import ray
 
+        from polytrain import pool
+
+        pool.configure(enabled=False)  # fresh worker processes: ru_maxrss is per process
         size = "tiny" if args.quick else "medium"
         path = save_model(size, Path(args.models))
         ray.init(num_cpus=2, include_dashboard=False, configure_logging=False,

@@ -18,8 +18,6 @@ the base from its own directory); a plain ``--to safetensors`` of it is refused.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -29,6 +27,7 @@ peft = pytest.importorskip("peft")
 
 from polytrain import TrainingOperator  # noqa: E402
 from polytrain.checkpoint.layout import open_checkpoint  # noqa: E402
+from tests.integration.test_hf_export import _convert  # noqa: E402
 from tests.integration.test_peft import (  # noqa: E402
     ACCUMULATION,
     STEPS,
@@ -63,15 +62,6 @@ def tensor_bytes(checkpoint: str) -> int:
     """The bytes of the tensors a checkpoint directory holds (its rank files)."""
     names = [f for f in os.listdir(checkpoint) if f.endswith(".bin")]
     return sum(os.path.getsize(os.path.join(checkpoint, f)) for f in names)
-
-
-def convert(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "polytrain", "checkpoint", "convert", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def test_adapter_checkpoints_resume_across_backends_and_every_export_loads_right(
@@ -129,14 +119,14 @@ def test_adapter_checkpoints_resume_across_backends_and_every_export_loads_right
     assert torch.allclose(logits(merged), expected, atol=1e-5)
     assert len([f for f in os.listdir(tmp_path / "merged") if f.startswith("model-")]) > 1
 
-    done = convert("--to", "peft", step_2, str(tmp_path / "offline-adapter"))
+    done = _convert("--to", "peft", step_2, str(tmp_path / "offline-adapter"))
     assert done.returncode == 0, done.stderr
     fresh = transformers.AutoModelForCausalLM.from_pretrained(base_path)
     offline = peft.PeftModel.from_pretrained(fresh, tmp_path / "offline-adapter")
     assert torch.allclose(logits(offline), at_step_2, atol=1e-5)
-    done = convert("--to", "safetensors", "--merge", step_2, str(tmp_path / "offline-merged"))
+    done = _convert("--to", "safetensors", "--merge", step_2, str(tmp_path / "offline-merged"))
     assert done.returncode == 0, done.stderr
     offline = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "offline-merged")
     assert torch.allclose(logits(offline), at_step_2, atol=1e-5)
-    done = convert("--to", "safetensors", step_2, str(tmp_path / "raw"))
+    done = _convert("--to", "safetensors", step_2, str(tmp_path / "raw"))
     assert done.returncode != 0 and "holds a PEFT model" in done.stderr

@@ -140,41 +140,12 @@ def test_the_reference_is_sensitive_to_the_clip(references, base_path):
 
 def _worker_view(operator) -> dict:
     """On a worker: the optimizers' parameters and state bytes, and (rank 0) the full weights."""
-    from tests.integration.test_peft import optimizer_report
+    from benchmarks.finetune.bench import optimizer_state
     from tests.integration.test_pretrained import _full_weights
 
     model = operator.strategy.unwrap_model(operator.models[0])
     trainable = sum(1 for p in model.parameters() if p.requires_grad)
-    return {**optimizer_report(operator), "trainable": trainable, "full": _full_weights(operator)}
-
-
-def optimizer_report(operator) -> dict:
-    """The number of parameters the optimizers step and the bytes of their state on this rank.
-
-    DeepSpeed ZeRO counts its fp32 master partitions too; fairscale OSS its local shard's state.
-    """
-    engine = operator.components.extra.get("deepspeed")
-    if engine is not None:
-        zero = engine.engine.optimizer
-        flats = (
-            getattr(zero, "fp32_partitioned_groups_flat", None)
-            or getattr(zero, "single_partition_of_fp32_groups", None)
-            or []
-        )
-        states = list(zero.optimizer.state.values())
-        params = len(engine.params)
-        nbytes = sum(f.numel() * f.element_size() for f in flats)
-    else:
-        states, params, nbytes = [], 0, 0
-        for optimizer in operator.optimizers:
-            params += sum(len(g["params"]) for g in optimizer.param_groups)
-            states += list(getattr(optimizer, "optim", optimizer).state.values())
-    for state in states:
-        for value in state.values():
-            if torch.is_tensor(value) and value.dim() > 0:
-                local = value.to_local() if hasattr(value, "to_local") else value
-                nbytes += local.numel() * local.element_size()
-    return {"optimizer_params": params, "optimizer_bytes": nbytes}
+    return {**optimizer_state(operator), "trainable": trainable, "full": _full_weights(operator)}
 
 
 def peft_key(name: str, full: dict) -> str:
@@ -241,8 +212,5 @@ def test_lora_steps_equal_one_process_and_the_base_stays_as_loaded(
     for view in views:  # the optimizers step the adapters only
         assert view["trainable"] == adapters
         assert view["optimizer_params"] == adapters
-        assert (
-            0
-            < view["optimizer_bytes"]
-            <= 3 * 4 * sum(v.numel() for v in adapters_of(model).values())
-        )
+        adapter_mb = sum(v.numel() * v.element_size() for v in adapters_of(model).values()) / 2**20
+        assert 0 < view["optimizer_mb"] <= 3 * adapter_mb  # moments (ZeRO: + fp32 master)
