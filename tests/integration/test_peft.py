@@ -93,8 +93,13 @@ def adamw_creator(model, config):
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
 
 
-def reference(path: str, clip: bool = True) -> tuple[torch.nn.Module, list[float]]:
-    """One process, the same global batches: ``peft`` as its users run it."""
+def reference(
+    path: str, clip: bool = True, accumulate: bool = True
+) -> tuple[torch.nn.Module, list[float]]:
+    """One process, the same global batches: ``peft`` as its users run it.
+
+    ``accumulate=False`` steps after every micro-batch (what dropping the accumulation does).
+    """
     model = HFPeftCreator(path)({})
     model.train()
     optimizer = torch.optim.AdamW(
@@ -103,14 +108,15 @@ def reference(path: str, clip: bool = True) -> tuple[torch.nn.Module, list[float
     ids = TokenSequences(NUM_SEQUENCES).ids
     micro = PER_WORKER * WORKERS
     losses = []
-    for step in range(STEPS):
+    k = ACCUMULATION if accumulate else 1
+    for step in range(STEPS * ACCUMULATION // k):
         optimizer.zero_grad()
         total = 0.0
-        for j in range(ACCUMULATION):
-            chunk = ids[(step * ACCUMULATION + j) * micro :][:micro]
+        for j in range(k):
+            chunk = ids[(step * k + j) * micro :][:micro]
             loss = model(input_ids=chunk, attention_mask=torch.ones_like(chunk), labels=chunk).loss
-            (loss / ACCUMULATION).backward()
-            total += loss.item() / ACCUMULATION
+            (loss / k).backward()
+            total += loss.item() / k
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM if clip else math.inf)
         optimizer.step()
         losses.append(total)
@@ -119,7 +125,11 @@ def reference(path: str, clip: bool = True) -> tuple[torch.nn.Module, list[float
 
 @pytest.fixture(scope="module")
 def references(base_path):
-    return {"clipped": reference(base_path), "unclipped": reference(base_path, clip=False)}
+    return {
+        "clipped": reference(base_path),
+        "unclipped": reference(base_path, clip=False),
+        "unaccumulated": reference(base_path, accumulate=False),
+    }
 
 
 def adapters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -131,9 +141,12 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def test_the_reference_is_sensitive_to_the_clip(references, base_path):
+def test_the_reference_is_sensitive_to_the_clip_and_the_accumulation(references, base_path):
+    """Without this, equality below would not prove the clip and the accumulation."""
     model, _ = references["clipped"]
     assert max_diff(adapters_of(model), adapters_of(references["unclipped"][0])) > 100 * 1e-5
+    unaccumulated = adapters_of(references["unaccumulated"][0])
+    assert max_diff(adapters_of(model), unaccumulated) > 100 * 1e-5
     fresh = HFPeftCreator(base_path)({})
     assert max_diff(adapters_of(model), adapters_of(fresh)) > 100 * 1e-5  # it trained
 

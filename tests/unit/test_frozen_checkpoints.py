@@ -153,3 +153,16 @@ def test_bad_input_is_refused_with_the_reason(tmp_path, base_path):
     finally:
         plain.shutdown()
     assert not (tmp_path / "merged").exists()
+
+
+def test_a_quantized_base_is_refused_on_a_cpu_worker(base_path):
+    """What a bitsandbytes load sets on the model (no GPU here to load one for real)."""
+    from polytrain.hf import adapters
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_path)
+    adapters.check_quantized(model, "cpu")  # an unquantized base is fine
+    model.is_loaded_in_4bit = True
+    lora = peft.get_peft_model(model, peft.get_peft_config(LORA))
+    with pytest.raises(ConfigError, match="quantized .* run on CUDA GPUs only"):
+        adapters.check_quantized(lora, "cpu")
+    adapters.check_quantized(lora, "cuda")
