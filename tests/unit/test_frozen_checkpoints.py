@@ -106,7 +106,9 @@ def test_a_lora_file_holds_the_adapters_and_resumes_exactly(tmp_path, base_path)
     assert resumed.keys() == expected.keys()
     assert all(torch.equal(resumed[k], expected[k]) for k in expected)  # bit for bit
     base = transformers.AutoModelForCausalLM.from_pretrained(base_path).state_dict()
-    assert torch.equal(model.base_model.model.transformer.wte.weight, base["transformer.wte.weight"])
+    assert torch.equal(
+        model.base_model.model.transformer.wte.weight, base["transformer.wte.weight"]
+    )
 
 
 def test_an_adapter_checkpoint_is_refused_by_a_run_that_trains_the_base(tmp_path, base_path):
@@ -124,14 +126,18 @@ def test_an_adapter_checkpoint_is_refused_by_a_run_that_trains_the_base(tmp_path
 
     full = lora_trainer(base_path, model_creator=peft_unfrozen, peft_config=None)
     try:
-        with pytest.raises(CheckpointError, match=r"left out .* frozen parameter.*this model trains"):
+        with pytest.raises(
+            CheckpointError, match=r"left out .* frozen parameter.*this model trains"
+        ):
             full.load(tmp_path / "lora.pt")
     finally:
         full.shutdown()
 
 
 def test_bad_input_is_refused_with_the_reason(tmp_path, base_path):
-    with pytest.raises(ConfigError, match=r"target_modules=\['q_proj'\] matches no module .*c_attn"):
+    with pytest.raises(
+        ConfigError, match=r"target_modules=\['q_proj'\] matches no module .*c_attn"
+    ):
         lora_trainer(base_path, peft_config={**LORA, "target_modules": ["q_proj"]})
     with pytest.raises(ConfigTypeError, match="peft_config must be a peft.PeftConfig"):
         lora_trainer(base_path, peft_config="lora")
