@@ -226,7 +226,12 @@ def _structure(
     config.name_or_path = os.fspath(path)
     if attn is not None:
         kwargs["attn_implementation"] = attn
-    build = cls.from_config if hasattr(cls, "_model_mapping") else cls._from_config
+    if hasattr(cls, "_model_mapping"):  # an Auto class resolves the architecture from the config
+        build = cls.from_config
+        if "trust_remote_code" in hub:
+            kwargs["trust_remote_code"] = hub["trust_remote_code"]
+    else:
+        build = cls._from_config
     if mode == "empty":
         with _params_on_meta():
             model = build(config, dtype=dtype, **kwargs)
