@@ -3,9 +3,15 @@
 * :func:`from_pretrained` / :func:`pretrained`: an HF checkpoint directory in a
   ``model_creator``; on the workers each rank reads only the part of every tensor
   it keeps, straight from the safetensors files (:mod:`polytrain.hf.loading`,
-  :mod:`polytrain.hf.weights`).
+  :mod:`polytrain.hf.weights`; the backends fill it in,
+  :mod:`polytrain.backends.core.pretrained_fill`).
+* :mod:`polytrain.hf.adapters`: the trainer's ``peft_config=``, and what an export of
+  a PEFT model needs to know about it.
+* :mod:`polytrain.hf.export`: a PEFT model's adapter in PEFT's layout, or merged into
+  its base in HF's layout (``save_pretrained``, ``polytrain checkpoint convert``).
 
-Importing this package imports neither ``transformers`` nor ``peft``.
+This package knows no launcher, backend or trainer; importing it imports neither
+``transformers`` nor ``peft``.
 """
 
 from polytrain.hf.loading import Pretrained, from_pretrained, pretrained
