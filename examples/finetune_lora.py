@@ -71,8 +71,10 @@ def ensure_base(base_dir: str) -> str:
     with open(f"{base_dir}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a process that waited finds it done
         if not done.exists():
+            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
             command = [sys.executable, os.path.abspath(__file__), "--pretrain-only", base_dir]
-            subprocess.run(command, check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+            subprocess.run(command, check=True, cwd=root, env={**os.environ, "PYTHONPATH": path})
     return base_dir
 
 
