@@ -247,11 +247,13 @@ def main() -> None:
 
             shutil.rmtree(adapter)
         trainer.save_pretrained(adapter)
+        trained = trainer.get_model()
     finally:
         trainer.shutdown()
     reloaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)
     print(
-        f"adapter reloaded with peft from {adapter}: answer loss {answer_loss(reloaded, config):.3f}"
+        f"adapter reloaded with peft from {adapter}: answer loss {answer_loss(reloaded, config):.4f}"
+        f" (the trained model's: {answer_loss(trained, config):.4f})"
     )
     for word in ("cat", "model", "rank"):
         print(f"  upper {word} -> {answer(reloaded, f'Q: upper {word}' + chr(10) + 'A: ')!r}")

@@ -11,9 +11,24 @@
   its base in HF's layout (``save_pretrained``, ``polytrain checkpoint convert``).
 
 This package knows no launcher, backend or trainer; importing it imports neither
-``transformers`` nor ``peft``.
+``transformers`` nor ``peft`` (nor ``torch``: its names load on first use).
 """
 
-from polytrain.hf.loading import Pretrained, from_pretrained, pretrained
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from polytrain.hf.loading import Pretrained, from_pretrained, pretrained
 
 __all__ = ["Pretrained", "from_pretrained", "pretrained"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: the creator checks import polytrain.hf.adapters, also in TFTrainer's processes,
+    # which never import torch.
+    if name in __all__:
+        from polytrain.hf import loading
+
+        return getattr(loading, name)
+    raise AttributeError(f"module 'polytrain.hf' has no attribute {name!r}")
