@@ -33,7 +33,7 @@ from polytrain.checkpoint.layout import (
     rank_file,
     tensor_key,
 )
-from polytrain.checkpoint.pieces import Piece, StatePath, nbytes
+from polytrain.checkpoint.pieces import FROZEN_KEY, Piece, StatePath, nbytes
 from polytrain.checkpoint.storage import Storage
 from polytrain.errors import CheckpointError
 
@@ -271,6 +271,7 @@ class DirReader:
         self._skeleton = {
             "models": meta.get("models") or [],
             "optimizers": meta.get("optimizers") or [],
+            FROZEN_KEY: meta.get(FROZEN_KEY),
         }
 
     @property

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 #: The address of one tensor leaf in the consolidated state.
 StatePath = tuple[Any, ...]
+#: The consolidated state's entry that lists, per model, the frozen parameters it leaves
+#: out: ``[{"names": [...], "base": ...} or None, ...]`` (see :func:`left_out`).
+FROZEN_KEY = "frozen"
 
 
 @dataclass
@@ -236,6 +239,65 @@ def whole_model_state(reader: ShardReader, index: int) -> dict[str, Any]:
         if path[:2] == ("models", index) and len(path) == 3:
             state[path[2]] = reader.read(path).reshape(reader.shape(path))
     return state
+
+
+def left_out(skeleton: dict[str, Any], index: int) -> frozenset[str]:
+    """The frozen parameters of model ``index`` that a checkpoint left out (kept as they are on load).
+
+    A run with frozen parameters (a LoRA fine-tune's base) saves only what it trains;
+    ``skeleton`` is a reader's skeleton or a consolidated state.
+    """
+    entries = skeleton.get(FROZEN_KEY) or []
+    entry = entries[index] if index < len(entries) else None
+    return frozenset((entry or {}).get("names") or ())
+
+
+def with_left_out(state: dict[str, Any], module: Any, names: Iterable[str]) -> dict[str, Any]:
+    """``state`` with the left-out tensors ``names`` taken from ``module`` (held whole) as they are."""
+    missing = [name for name in names if name not in state]
+    if not missing:
+        return state
+    live = module.state_dict()
+    return {**state, **{name: live[name] for name in missing if name in live}}
+
+
+def load_whole_model(module: Any, reader: ShardReader, index: int) -> None:
+    """Load model ``index`` whole into ``module``; frozen tensors the checkpoint left out stay."""
+    state = whole_model_state(reader, index)
+    module.load_state_dict(with_left_out(state, module, left_out(reader.skeleton, index)))
+
+
+class StateReader:
+    """A :class:`ShardReader` over a consolidated state held in memory (a checkpoint file's).
+
+    Args:
+        state: ``{"models": [...], "optimizers": [...], ...}`` as ``trainer.save`` writes it.
+    """
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        local = split_state(state, replicated=False)
+        self._skeleton = {**(local.skeleton or {}), FROZEN_KEY: state.get(FROZEN_KEY)}
+        self._pieces = {piece.path: piece for piece in local.pieces}
+
+    @property
+    def skeleton(self) -> dict[str, Any]:
+        """The consolidated tree without its tensor leaves (and the frozen entry)."""
+        return self._skeleton
+
+    def paths(self) -> list[StatePath]:
+        """Every tensor path."""
+        return list(self._pieces)
+
+    def shape(self, path: StatePath) -> tuple[int, ...] | None:
+        """The full shape of the tensor at ``path`` (None: no tensor there)."""
+        piece = self._pieces.get(tuple(path))
+        return None if piece is None else piece.shape
+
+    def read(self, path: StatePath, start: int = 0, numel: int | None = None) -> Any:
+        """Flattened elements ``[start, start + numel)`` of the tensor at ``path``, 1-D."""
+        flat = self._pieces[tuple(path)].tensor
+        end = flat.numel() if numel is None else start + numel
+        return flat[start:end]
 
 
 def optimizer_skeleton(

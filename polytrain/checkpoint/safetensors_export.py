@@ -31,7 +31,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -191,21 +191,15 @@ def write_pretrained(
     drop = {name: kept for name, kept in (info.get("drop") or {}).items() if kept in present}
     names = [n for n in tensors.names if n not in drop]
     split = _plan(tensors, names, limit)
-    tmp = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir(parents=True)
-    try:
+    with staged(target) as tmp:
         files = _write_shards(tensors, split, tmp, drop, hf=bool(info.get("files")))
         if split.is_sharded:
             index = _index(tensors, names, set(info.get("buffers") or []), split)
-            _write_text(tmp / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True) + "\n")
+            write_text(tmp / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True) + "\n")
             files.append(INDEX_NAME)
         for name, text in (info.get("files") or {}).items():
-            _write_text(tmp / name, _with_dtype(name, text, tensors, names))
+            write_text(tmp / name, _with_dtype(name, text, tensors, names))
             files.append(name)
-        _publish(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {
         "path": str(target),
         "files": sorted(files),
@@ -274,7 +268,24 @@ def _with_dtype(name: str, text: str, tensors: ModelTensors, names: list[str]) -
     return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
-def _write_text(path: Path, text: str) -> None:
+@contextlib.contextmanager
+def staged(target: Path) -> Iterator[Path]:
+    """A temporary sibling of ``target`` to write into; renamed to ``target`` at the end.
+
+    A partial export never looks complete: on an error the temporary directory goes.
+    """
+    tmp = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        _publish(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` and flush it to disk."""
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(text)
         handle.flush()
@@ -310,21 +321,44 @@ def export_checkpoint(
 
     Raises:
         CheckpointError: ``src`` is not a readable torch checkpoint, has no model
-            ``model_index``, or ``dst`` exists and is not empty.
+            ``model_index``, holds a PEFT model (its exports are the adapter or the merged
+            model), or ``dst`` exists and is not empty.
     """
     check_target(dst)
     parse_max_shard_size(max_shard_size)
+    with checkpoint_model(src, model_index) as (tensors, info):
+        if (info or {}).get("peft"):
+            raise CheckpointError(
+                f"Checkpoint {os.fspath(src)!r} holds a PEFT model, which is no Hugging Face "
+                f"model as it stands: write its adapter (--to peft) or the model merged into "
+                f"its base (--to safetensors --merge)."
+            )
+        return write_pretrained(tensors, info, dst, max_shard_size)
+
+
+@contextlib.contextmanager
+def checkpoint_model(
+    src: str | os.PathLike, model_index: int = 0
+) -> Iterator[tuple[ModelTensors, dict[str, Any] | None]]:
+    """Model ``model_index`` of a checkpoint directory or file: its tensors and its export info.
+
+    A directory's tensors are read from its files while the context is open.
+
+    Raises:
+        CheckpointError: ``src`` is not a readable torch checkpoint, has no model
+            ``model_index``, or no tensors of it.
+    """
     if layout.is_checkpoint_dir(src):
         checkpoint = layout.open_checkpoint(os.fspath(src), framework="torch")
         info = _model_info(checkpoint.meta, model_index, checkpoint.url)
         with DirReader(checkpoint) as reader:
             tensors = ModelTensors.from_reader(reader, model_index, (info or {}).get("keys") or [])
             _require_tensors(tensors, model_index, checkpoint.url)
-            return write_pretrained(tensors, info, dst, max_shard_size)
+            yield tensors, info
+        return
     state = ckpt.load_checkpoint(src, framework="torch")
     info = _model_info(state, model_index, os.fspath(src))
-    tensors = ModelTensors.from_state(state["models"][model_index])
-    return write_pretrained(tensors, info, dst, max_shard_size)
+    yield ModelTensors.from_state(state["models"][model_index]), info
 
 
 def _model_info(meta: dict[str, Any], index: int, source: str) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from polytrain.errors import CreatorError, CreatorTypeError
+from polytrain.hf import adapters
 
 if TYPE_CHECKING:
     import torch
@@ -192,6 +193,8 @@ class TorchCreators:
     optimizer_creator: Callable[[Any, dict], Any]
     loss_creator: Any = None
     scheduler_creator: Callable[[Any, dict], Any] | None = None
+    #: ``peft_config=``: the model is wrapped by ``peft.get_peft_model`` wherever it is built.
+    peft_config: Any = None
 
     def __post_init__(self) -> None:
         self._check_instances()
@@ -208,6 +211,9 @@ class TorchCreators:
             )
         if self.loss_creator is not None and not inspect.isclass(self.loss_creator):
             check_callable("loss_creator", self.loss_creator, 1)
+        self.peft_config = adapters.resolve_peft_config(self.peft_config)
+        if self.peft_config is not None:
+            self.model_creator = adapters.PeftCreator(self.model_creator, self.peft_config)
 
     def _check_instances(self) -> None:
         import torch

@@ -7,6 +7,8 @@ importing any framework. The floors, bottom to top::
 
     errors, compat            the ground floor: import nothing above themselves
     checkpoint                the on-disk checkpoint format: errors and compat only
+    hf                        pretrained HF weights, PEFT adapters, HF / PEFT export: know
+                              no launcher, backend or trainer
     launchers                 Ray / local worker groups: know no backend and no trainer
     backends                  core/ (the contracts) and one folder per backend, which
                               imports no other backend's folder
@@ -141,6 +143,18 @@ def _is_face(module: str) -> bool:
 
 LAYER_RULES = {
     "polytrain.checkpoint": (
+        "polytrain.hf",
+        "polytrain.launchers",
+        "polytrain.runs",
+        "polytrain.backends",
+        "polytrain.trainer_api",
+        "polytrain.lightning",
+        "polytrain.tune",
+        "polytrain.train",
+        CLI,
+        "polytrain.compare",
+    ),
+    "polytrain.hf": (
         "polytrain.launchers",
         "polytrain.runs",
         "polytrain.backends",
@@ -152,6 +166,7 @@ LAYER_RULES = {
         "polytrain.compare",
     ),
     "polytrain.launchers": (
+        "polytrain.hf",
         "polytrain.runs",
         "polytrain.trainer_api",
         "polytrain.backends",

@@ -26,11 +26,11 @@ from polytrain.trainer_api.options.run_config import (
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: One config per backend (named after it); digits_both.yaml carries both frameworks;
-#: gpt*.yaml are the language-model example's.
+#: gpt*.yaml are the language-model example's, finetune_lora.yaml the fine-tuning one's.
 CONFIGS = sorted(
     p
     for p in (REPO_ROOT / "examples" / "configs").glob("*.yaml")
-    if p.stem != "digits_both" and not p.stem.startswith("gpt")
+    if p.stem not in ("digits_both", "finetune_lora") and not p.stem.startswith("gpt")
 )
 DDP = REPO_ROOT / "examples" / "configs" / "ddp.yaml"
 BOTH = REPO_ROOT / "examples" / "configs" / "digits_both.yaml"
@@ -79,6 +79,15 @@ def test_the_language_model_configs_load(name):
     creators = run.resolve_creators()
     assert "loss_creator" not in creators  # the model computes its loss
     assert all(callable(c) for c in creators.values())
+
+
+def test_the_fine_tuning_config_loads_with_its_peft_config():
+    from polytrain import TorchTrainer
+
+    run = load_config(REPO_ROOT / "examples" / "configs" / "finetune_lora.yaml")
+    assert run.peft_config["peft_type"] == "LORA"
+    assert run.trainer_kwargs(TorchTrainer)["peft_config"] == run.peft_config
+    assert all(callable(c) for c in run.resolve_creators().values())
 
 
 def test_torch_example_configs_differ_only_in_backend():

@@ -13,7 +13,14 @@ from typing import Any
 
 from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.strategy import TorchStrategy
-from polytrain.checkpoint.pieces import LocalState, ShardReader, assemble, split_state
+from polytrain.checkpoint.pieces import (
+    LocalState,
+    ShardReader,
+    assemble,
+    left_out,
+    split_state,
+    with_left_out,
+)
 
 
 # ------------------------------------------------------------- strategies
@@ -72,6 +79,14 @@ def load_local_state(
 def load_whole(
     strategy: Any, components: Components, reader: ShardReader, ctx: WorkerContext
 ) -> None:
-    """Worker: read the whole consolidated state and load it with ``load_full_state_dict``."""
+    """Worker: read the whole consolidated state and load it with ``load_full_state_dict``.
+
+    Frozen tensors the checkpoint left out keep this rank's values (its models are whole).
+    """
     full = assemble(reader.skeleton, reader, reader.paths())
+    for index, model in enumerate(components.models):
+        names = left_out(reader.skeleton, index)
+        if names and index < len(full["models"]):
+            module = strategy.unwrap_model(model)
+            full["models"][index] = with_left_out(full["models"][index] or {}, module, names)
     strategy.load_full_state_dict(components, full, ctx)

@@ -28,6 +28,9 @@ TieGroups = list[list[tuple[str, str]]]
 def build_on_meta(create: Callable[[], T], ctx: WorkerContext, how_to_disable: str) -> T:
     """Worker: call ``create`` (``model_creator``) under ``torch.device("meta")``.
 
+    ``transformers``' ``from_pretrained``, which refuses the meta device, builds the
+    model's structure there without reading a file (rank 0's weights replace it).
+
     Args:
         create: calls the user's ``model_creator``.
         ctx: this worker's context (its rank is named in the error).
@@ -37,8 +40,11 @@ def build_on_meta(create: Callable[[], T], ctx: WorkerContext, how_to_disable: s
         CreatorError: the creator failed on the meta device (it reads parameter values,
             calls ``.item()``, builds tensors it cannot build without storage...).
     """
+    from polytrain.hf.loading import building
+
     try:
-        with torch.device("meta"):
+        # building: polytrain.hf's and transformers' from_pretrained build the structure only.
+        with torch.device("meta"), building("meta"):
             return create()
     except Exception as exc:
         raise meta_error(exc, ctx, "on the meta device", how_to_disable) from exc

@@ -88,11 +88,17 @@ class TorchStrategy(Strategy):
 
         The sharded backends override it to build the full model on rank 0 only
         (:mod:`polytrain.backends.core.meta_init`). Moved in place: the optimizer
-        creator gets the very objects ``model_creator`` returned.
+        creator gets the very objects ``model_creator`` returned. Weights that
+        ``polytrain.hf.from_pretrained`` left in the files are read here, whole, by every
+        rank (:mod:`polytrain.backends.core.pretrained_fill`).
         """
-        models = create()
+        from polytrain.backends.core import pretrained_fill
+
+        with pretrained_fill.building("empty"):
+            models = create()
         for model in models:
             model.to(ctx.device)
+            pretrained_fill.fill_whole(model)
         return models
 
     def setup(self, components: Components, ctx: WorkerContext) -> Components:

@@ -36,6 +36,7 @@ from polytrain.checkpoint.pieces import (
     LocalState,
     Piece,
     ShardReader,
+    left_out,
     persistent_buffers,
     whole_piece,
 )
@@ -151,7 +152,10 @@ def load(state: EngineState, reader: ShardReader) -> None:
     """
     module = state.engine.module
     partitioned = {id(p) for p in state.params}
+    kept = left_out(reader.skeleton, 0)  # frozen tensors the checkpoint left out
     for name, param in module.named_parameters(remove_duplicate=False):
+        if name in kept and reader.shape(("models", 0, name)) is None:
+            continue
         _load_param(state, reader, ("models", 0, name), param, id(param) in partitioned)
     for name, buffer in persistent_buffers(module):
         _require(reader, ("models", 0, name), tuple(buffer.shape))

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from polytrain.backends.core import meta_init
+from polytrain.backends.core import meta_init, pretrained_fill
 from polytrain.backends.core.context import WorkerContext
+from polytrain.hf.loading import building
 
 #: How a user turns it off (named in errors).
 INIT_ON_RANK0_OFF = 'backend_config={"init_on_rank0": False}'
@@ -42,13 +43,16 @@ def build_partitioned(
     """
     full = None
     if ctx.world_rank == 0:
-        full = create()
+        with building("empty"):  # polytrain.hf.from_pretrained: no weight read here
+            full = create()
         with torch.random.fork_rng(devices=_cuda_devices(ctx)):
             partitioned = _under_zero_init(create, ctx, ds_config, deepspeed)
     else:
         partitioned = _under_zero_init(create, ctx, ds_config, deepspeed)
     for index, model in enumerate(partitioned):
-        _copy_from_rank0(model, full[index] if full is not None else None, deepspeed)
+        backed = {id(p) for p, _, _ in pretrained_fill.file_backed_params(model)}
+        _copy_from_rank0(model, full[index] if full is not None else None, deepspeed, backed)
+        _fill_partitions(model)
     return partitioned
 
 
@@ -67,7 +71,9 @@ def _under_zero_init(
 
     # zero.Init reads the world from DeepSpeed's comm layer: wrap the group that is up.
     deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+    # building: transformers' from_pretrained builds the structure only (without an
+    # HfDeepSpeedConfig it would read every weight into the empty partitions and fail).
+    with deepspeed.zero.Init(config_dict_or_path=ds_config), building("zero3"):
         try:
             return create()
         except Exception as exc:
@@ -75,10 +81,15 @@ def _under_zero_init(
             raise meta_init.meta_error(exc, ctx, where, INIT_ON_RANK0_OFF) from exc
 
 
-def _copy_from_rank0(model: torch.nn.Module, full: torch.nn.Module | None, deepspeed: Any) -> None:
-    """(every rank, collective) ``full``'s parameters and buffers (rank 0) into ``model``."""
+def _copy_from_rank0(
+    model: torch.nn.Module, full: torch.nn.Module | None, deepspeed: Any, skip: set[int]
+) -> None:
+    """(every rank, collective) ``full``'s parameters and buffers (rank 0) into ``model``.
+
+    ``skip``: the ids of parameters read from pretrained files instead.
+    """
     sources = dict(full.named_modules()) if full is not None else {}
-    seen: set[int] = set()
+    seen: set[int] = set(skip)
     for name, module in model.named_modules():
         own = [(k, p) for k, p in module._parameters.items() if p is not None and id(p) not in seen]
         if not own:
@@ -96,6 +107,28 @@ def _copy_from_rank0(model: torch.nn.Module, full: torch.nn.Module | None, deeps
                 buffers[name].copy_(buffer)
     # Non-persistent buffers too: every rank gets rank 0's, as every parameter.
     meta_init.broadcast_from_rank0(list(buffers.values()))
+
+
+@torch.no_grad()
+def _fill_partitions(model: torch.nn.Module) -> None:
+    """Worker: each rank reads its ZeRO-3 partition of every file-backed parameter.
+
+    Rank ``r`` holds elements ``[r * p, (r + 1) * p)`` of the flattened parameter
+    (``p = ds_tensor.ds_numel``; the last partition is padded with zeros).
+    """
+    import torch.distributed as dist
+
+    for param, source, key in list(pretrained_fill.file_backed_params(model)):
+        pretrained_fill.check_shape(source, key, tuple(param.ds_shape))
+        rank = dist.get_rank(group=getattr(param, "ds_process_group", None))
+        size = int(param.ds_tensor.ds_numel)
+        start = rank * size
+        numel = max(0, min(size, int(param.ds_numel) - start))
+        local = param.ds_tensor.data.reshape(-1)
+        if numel:
+            local[:numel].copy_(source.weights.read(key, start, numel))
+        local[numel:].zero_()
+    pretrained_fill.forget_sources(model)
 
 
 def _cuda_devices(ctx: WorkerContext) -> list[int]:

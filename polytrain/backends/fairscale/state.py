@@ -21,11 +21,11 @@ from polytrain.checkpoint.pieces import (
     LocalState,
     Piece,
     ShardReader,
+    load_whole_model,
     local_optimizer_state,
     model_pieces,
     optimizer_pieces,
     optimizer_skeleton,
-    whole_model_state,
     whole_piece,
 )
 
@@ -181,7 +181,7 @@ def oss_local_state(strategy: Any, components: Any, ctx: Any) -> LocalState:
 def oss_load(strategy: Any, components: Any, reader: ShardReader) -> None:
     """Worker: load the models whole and, into each OSS optimizer, only the state this rank owns."""
     for index, model in enumerate(components.models):
-        strategy.unwrap_model(model).load_state_dict(whole_model_state(reader, index))
+        load_whole_model(strategy.unwrap_model(model), reader, index)
     for index, optimizer in enumerate(components.optimizers):
         params = _params(optimizer)
         owner = getattr(optimizer, "_param_to_rank", None)

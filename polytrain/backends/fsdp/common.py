@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from polytrain.backends.core import meta_init
+from polytrain.backends.core import meta_init, pretrained_fill
 from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.strategy import TorchStrategy
@@ -72,14 +72,22 @@ class ShardedStates:
             return fallback()
         self.rank0_init = True
         if ctx.world_rank == 0:
-            return create()
+            with pretrained_fill.building("empty"):  # polytrain.hf.from_pretrained: nothing read
+                return create()
         return meta_init.build_on_meta(create, ctx, INIT_ON_RANK0_OFF)
 
     def rank0_weights(self, model: torch.nn.Module, ctx: WorkerContext) -> dict[str, Any] | None:
-        """Before sharding: rank 0's full state (``{}`` elsewhere); None without rank-0 init."""
+        """Before sharding: rank 0's full state (``{}`` elsewhere); None without rank-0 init.
+
+        Parameters still in pretrained files are left out: every rank reads its shards
+        of them after sharding (:func:`fill_from_files`).
+        """
         if not self.rank0_init:
             return None
-        return model.state_dict() if ctx.world_rank == 0 else {}
+        if ctx.world_rank != 0:
+            return {}
+        backed = pretrained_fill.file_backed(model)
+        return {k: v for k, v in model.state_dict().items() if k not in backed}
 
     def load_rank0_weights(
         self, model: torch.nn.Module, weights: dict[str, Any], ctx: WorkerContext
@@ -88,13 +96,21 @@ class ShardedStates:
 
         Buffers are broadcast too: the non-persistent ones (not in a state dict, e.g.
         rotary tables) are uninitialised memory on the ranks that built on meta.
+        Parameters still in pretrained files are not in rank 0's weights.
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         meta_init.materialize(model, ctx.device)
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        partial = pretrained_fill.has_file_weights(model)
+        options = StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True, strict=not partial
+        )
         set_model_state_dict(model, weights, options=options)
         meta_init.broadcast_from_rank0(list(model.buffers()))
+
+    def fill_from_files(self, model: torch.nn.Module) -> None:
+        """(every rank) After sharding: this rank's shards of the weights still in pretrained files."""
+        pretrained_fill.fill_ranges(model, self.version.ranges(model))
 
     def prepare(self, components: Components, ctx: WorkerContext) -> Components:
         """Shard every trainable model; rebuild the optimizers over its shards.
@@ -115,6 +131,7 @@ class ShardedStates:
             if not _sharding.trainable(model):
                 if self.rank0_init:  # never sharded: whole on every rank, rank 0's weights
                     meta_init.load_whole_from_rank0(model, ctx.device)
+                pretrained_fill.fill_whole(model)
                 wrapped.append(model)
                 continue
             fsdp_model = self.version.wrap(model, ctx)

@@ -36,12 +36,13 @@ from polytrain.checkpoint.pieces import (
     LocalState,
     Piece,
     ShardReader,
+    left_out,
+    load_whole_model,
     local_optimizer_state,
     model_pieces,
     optimizer_pieces,
     optimizer_skeleton,
     persistent_buffers,
-    whole_model_state,
     whole_piece,
 )
 from polytrain.errors import CheckpointError
@@ -226,7 +227,7 @@ def fsdp_load(
         if ranges is not None:
             _load_model(index, model, reader, ranges)
         else:
-            model.load_state_dict(whole_model_state(reader, index))
+            load_whole_model(model, reader, index)
     for index, (optimizer, model, _) in enumerate(owned):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         ranges = ranges_of(model) if model is not None else None
@@ -255,8 +256,11 @@ def _is_dtensor(tensor: Any) -> bool:
 def _load_model(
     index: int, model: torch.nn.Module, reader: ShardReader, ranges: dict[int, ParamRange]
 ) -> None:
+    kept = left_out(reader.skeleton, index)  # frozen tensors the checkpoint left out
     for name, param in model.named_parameters(remove_duplicate=False):
         path = ("models", index, clean_name(name))
+        if path[2] in kept and reader.shape(path) is None:
+            continue
         rng = ranges.get(id(param))
         _check_shape(reader, path, rng.shape if rng else tuple(param.shape))
         # A DTensor's local shard shares its storage: writing it writes the parameter.

@@ -92,6 +92,7 @@ class FSDP1Strategy(ShardedTorchStrategy):
         )
         if weights is not None:
             self.states.load_rank0_weights(wrapped, weights, ctx)
+        self.states.fill_from_files(wrapped)
         return wrapped
 
     @staticmethod

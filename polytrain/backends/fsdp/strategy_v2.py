@@ -177,6 +177,7 @@ class FSDP2Strategy(ShardedTorchStrategy):
         model = fully_shard(model, **options)
         if weights is not None:
             self.states.load_rank0_weights(model, weights, ctx)
+        self.states.fill_from_files(model)
         return model
 
     def _device_mesh(self, ctx: WorkerContext) -> Any:

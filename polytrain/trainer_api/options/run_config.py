@@ -108,6 +108,8 @@ class RunConfig(StepFields):
         checkpoint: :class:`~polytrain.CheckpointConfig` fields.
         loggers: experiment trackers by name (``[tensorboard, csv]`` or ``"mlflow,csv"``),
             see :mod:`polytrain.loggers`.
+        peft_config: TorchTrainer's ``peft_config=`` as a dict with its ``peft_type``
+            (``{peft_type: LORA, r: 8, target_modules: [c_attn]}``).
         torch: the torch version of the job (creators, torch-only options), when the
             config carries one for each framework; see :class:`FrameworkSection`.
         tensorflow: the Keras version of the job.
@@ -136,6 +138,7 @@ class RunConfig(StepFields):
     failure: FailureSection = Field(default_factory=FailureSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     loggers: list[str] | str | None = None
+    peft_config: dict[str, Any] | None = None
     torch: FrameworkSection | None = None
     tensorflow: FrameworkSection | None = None
 
@@ -283,6 +286,7 @@ class RunConfig(StepFields):
             "use_tqdm": self.use_tqdm,
             "scheduler_step_freq": self.scheduler_step_freq,
             "loggers": self.loggers,
+            "peft_config": self.peft_config,
         }
         params = inspect.signature(trainer_cls).parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

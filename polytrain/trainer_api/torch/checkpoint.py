@@ -19,8 +19,10 @@ from polytrain.checkpoint import rng_state
 from polytrain.checkpoint import single_file as ckpt
 from polytrain.checkpoint.directory import DirReader, SaveRequest
 from polytrain.checkpoint.layout import open_checkpoint, rank_file
+from polytrain.checkpoint.pieces import FROZEN_KEY
 from polytrain.checkpoint.safetensors_export import META_KEY
 from polytrain.trainer_api.checkpointing.worker_writer import save_local_state, writer
+from polytrain.trainer_api.torch import frozen
 from polytrain.trainer_api.torch.model_info import export_info
 
 
@@ -85,6 +87,8 @@ def save_operator(operator: Any, request: SaveRequest) -> dict[str, Any]:
     writer().wait()  # a sharded gather must not race the previous background write
     with operator.strategy.worker_scope(ctx):
         local = local_state(operator.strategy, operator.components, ctx)
+    entries = frozen.frozen_entries(operator)
+    local.pieces = frozen.without_frozen(local.pieces, entries)  # a LoRA run: no base
     meta = None
     if ctx.world_rank == 0:
         meta = {
@@ -92,6 +96,7 @@ def save_operator(operator: Any, request: SaveRequest) -> dict[str, Any]:
             **(local.skeleton or {"models": [], "optimizers": []}),
             **trainer_state(operator),
             META_KEY: export_infos(operator),
+            **({FROZEN_KEY: entries} if any(entries) else {}),
             **request.extra,
         }
     rng = rng_state.capture()  # now, on the training thread: the state the next batch sees
@@ -109,6 +114,7 @@ def load_operator(operator: Any, url: str) -> dict[str, Any]:
     """
     writer().wait()
     checkpoint = open_checkpoint(url, framework="torch")
+    frozen.check_loadable(checkpoint.meta, operator)
     with DirReader(checkpoint) as reader, operator.strategy.worker_scope(operator.context):
         load_local_state(operator.strategy, operator.components, reader, operator.context)
     load_trainer_state(operator, checkpoint.meta)

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import re
-import tempfile
+import sys
 from typing import Any
 
 from polytrain.checkpoint.pieces import persistent_buffers
+from polytrain.errors import ConfigError
+from polytrain.hf import adapters
 
 logger = logging.getLogger(__name__)
 
@@ -49,29 +50,52 @@ def export_info(model: Any, strict: bool = True) -> dict[str, Any]:
     drop: dict[str, str] = {}
     for names in shared:
         drop.update(_drop_hf(names, patterns) if patterns else _drop_plain(names))
-    return {
+    info = {
         "keys": list(dict.fromkeys(name for name, _ in named)),
-        "buffers": [name for name, _ in persistent_buffers(model, rename=_clean)],
+        "buffers": [name for name, _ in persistent_buffers(model, rename=clean_name)],
         "drop": drop,
-        "files": hf_files(model) if strict else _hf_files_or_warn(model),
     }
+    if adapters.is_peft_model(model):
+        # No HF model as it stands: its exports are the adapter, or merged into the base.
+        info["files"] = {}
+        info["peft"] = _peft_info(model, info) if strict else _or_warn(_peft_info, model, info)
+    else:
+        info["files"] = hf_files(model) if strict else (_or_warn(hf_files, model) or {})
+    return info
 
 
-def _hf_files_or_warn(model: Any) -> dict[str, str]:
+def _peft_info(model: Any, info: dict[str, Any]) -> dict[str, Any]:
+    """The PEFT entry: the adapter's layout, and the merged model's keys, ties and HF files."""
+    peft = adapters.adapter_info(model, info["keys"])
+    rename = peft["base_keys"]
+    peft["merged"] = {
+        "keys": [rename[k] for k in info["keys"] if k in rename],
+        "buffers": [rename[k] for k in info["buffers"] if k in rename],
+        "drop": {
+            rename[k]: rename[v] for k, v in info["drop"].items() if k in rename and v in rename
+        },
+        "files": hf_files(model.get_base_model()),
+    }
+    return peft
+
+
+def _or_warn(build: Any, *args: Any) -> Any:
+    """``build(*args)``, or None with a warning: an ordinary checkpoint must not fail for an export."""
     try:
-        return hf_files(model)
+        return build(*args)
     except Exception as exc:  # noqa: BLE001 (any failure of the user's config classes)
         logger.warning(
-            "The model's HF config could not be written (%s: %s); this checkpoint carries "
-            "none, so `polytrain checkpoint convert --to safetensors` will write no "
-            "config.json from it.",
+            "What an export of the model needs could not be recorded (%s: %s); `polytrain "
+            "checkpoint convert` cannot write it in the Hugging Face or PEFT layout from this "
+            "checkpoint.",
             type(exc).__name__,
             exc,
         )
-        return {}
+        return None
 
 
-def _clean(name: str) -> str:
+def clean_name(name: str) -> str:
+    """A parameter or buffer name as checkpoints key it: wrapper modules' segments dropped."""
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
@@ -84,10 +108,10 @@ def _named_tensors(model: Any) -> list[tuple[str, Any]]:
         prefix = f"{module_name}." if module_name else ""
         for name, param in module._parameters.items():
             if param is not None and not name.startswith("_flat_param"):
-                found.append((_clean(prefix + name), param))
+                found.append((clean_name(prefix + name), param))
         for name, buffer in module._buffers.items():
             if buffer is not None and name not in module._non_persistent_buffers_set:
-                found.append((_clean(prefix + name), buffer))
+                found.append((clean_name(prefix + name), buffer))
     return found
 
 
@@ -96,7 +120,7 @@ def _tied_patterns(model: Any) -> list[str]:
     patterns: list[str] = []
     for name, module in model.named_modules():
         tied = getattr(module, "_tied_weights_keys", None) or {}
-        patterns += [f"{_clean(name)}.{key}" if name else key for key in tied]
+        patterns += [f"{clean_name(name)}.{key}" if name else key for key in tied]
     return patterns
 
 
@@ -128,20 +152,39 @@ def hf_files(model: Any) -> dict[str, str]:
     config = getattr(model, "config", None)
     if not callable(getattr(config, "save_pretrained", None)):
         return {}
+    _require_transformers_model(model, config)
     config = copy.deepcopy(config)
     dtype = getattr(model, "dtype", None)
     if dtype is not None and hasattr(config, "dtype"):
         config.dtype = str(dtype).split(".")[-1]
     # FSDP2 renames the class of a fully_shard-ed module (FSDPGPT2LMHeadModel).
     config.architectures = [type(model).__name__.removeprefix("FSDP")]
-    with tempfile.TemporaryDirectory(prefix="polytrain-hf-config-") as folder:
-        config.save_pretrained(folder)
-        can_generate = getattr(model, "can_generate", None)
-        generation = getattr(model, "generation_config", None)
-        if callable(can_generate) and can_generate() and generation is not None:
-            generation.save_pretrained(folder)
-        files = {}
-        for name in sorted(os.listdir(folder)):
-            with open(os.path.join(folder, name), encoding="utf-8") as handle:
-                files[name] = handle.read()
-    return files
+    writers = [config.save_pretrained]
+    can_generate = getattr(model, "can_generate", None)
+    generation = getattr(model, "generation_config", None)
+    if callable(can_generate) and can_generate() and generation is not None:
+        writers.append(generation.save_pretrained)
+    return adapters.files_written(*writers)
+
+
+def _require_transformers_model(model: Any, config: Any) -> None:
+    """A module with an HF config that is no ``transformers`` model would be loaded wrongly.
+
+    ``from_pretrained`` builds the config's architecture and matches tensors by name: a
+    wrapper's names carry its own prefixes, so none would load, without an error.
+
+    Raises:
+        ConfigError: ``model`` is not a ``transformers`` ``PreTrainedModel``.
+    """
+    transformers = sys.modules.get("transformers")
+    base = getattr(getattr(transformers, "modeling_utils", None), "PreTrainedModel", None)
+    if base is not None and isinstance(model, base):
+        return
+    raise ConfigError(
+        f"{type(model).__name__} is not a transformers model but carries one's config "
+        f"({type(config).__name__}): from_pretrained would build that architecture and find "
+        f"none of this module's tensors (their names carry {type(model).__name__}'s own "
+        f"prefixes), without an error. Return the transformers model itself from "
+        f"model_creator (put the rest into the loss or the operator), or write the weights "
+        f"with safetensors.torch.save_model."
+    )

@@ -16,6 +16,7 @@ from polytrain.backends.core.backend import Backend
 from polytrain.backends.core.step_options import step_options
 from polytrain.checkpoint import safetensors_export
 from polytrain.checkpoint.directory import SaveRequest
+from polytrain.checkpoint.pieces import FROZEN_KEY, left_out, with_left_out
 from polytrain.errors import CheckpointError, ConfigError
 from polytrain.launchers.base import WorkerGroup
 from polytrain.launchers.ranks import split_batch_size
@@ -36,6 +37,7 @@ from polytrain.trainer_api.trainer import BaseTrainer
 
 #: The parts of a checkpoint dict the workers load (the rest is the envelope).
 _STATE_KEYS = ("models", "optimizers", "schedulers", "scaler", "operator", "global_step")
+_STATE_KEYS += (FROZEN_KEY,)  # which frozen parameters the checkpoint left out
 
 
 def _data_source(datasets: Any, data_creator: Any) -> tuple[Any, Any]:
@@ -106,6 +108,10 @@ class TorchTrainer(BaseTrainer):
             (``ray.data.Dataset``), split between the workers with ``streaming_split``;
             batches are tuples of the columns in order, label last (see
             :mod:`polytrain.trainer_api.data.ray_data`).
+        peft_config: a ``peft.PeftConfig`` (``peft.LoraConfig(r=8, target_modules=[...])``)
+            or a dict of one with its ``peft_type``: the model ``model_creator`` returns is
+            wrapped with ``peft.get_peft_model`` wherever it is built; only the adapters
+            train (see docs/fine-tuning.md).
     """
 
     framework = "torch"
@@ -143,14 +149,14 @@ class TorchTrainer(BaseTrainer):
         precision: str | None = None,
         activation_checkpointing: bool | list[Any] = False,
         compile: bool = False,
+        peft_config: Any = None,
     ) -> None:
         step = (max_grad_norm, gradient_accumulation_steps, precision, use_fp16)
         self.step = step_options(*step, activation_checkpointing, compile)
         self.datasets, data_creator = _data_source(datasets, data_creator)
         self.operator_cls = operator_class(training_operator_cls, scheduler_step_freq)
-        self.creators = TorchCreators(
-            model_creator, data_creator, optimizer_creator, loss_creator, scheduler_creator
-        )
+        creators = (model_creator, data_creator, optimizer_creator, loss_creator, scheduler_creator)
+        self.creators = TorchCreators(*creators, peft_config=peft_config)
         super().__init__(
             backend=backend,
             backend_config=backend_config,
@@ -478,8 +484,9 @@ class TorchTrainer(BaseTrainer):
         max_shard_size: int | str = "5GB",
         *,
         model_index: int = 0,
+        merge: bool = False,
     ) -> dict[str, Any]:
-        """Write the trained model in the Hugging Face layout, from the workers' shards.
+        """The trained model in the Hugging Face layout (a PEFT model: its adapter), from the workers.
 
         ``path`` gets ``model.safetensors`` (above ``max_shard_size``:
         ``model-00001-of-0000N.safetensors`` files and ``model.safetensors.index.json``)
@@ -490,16 +497,21 @@ class TorchTrainer(BaseTrainer):
         files one shard at a time: no tensor travels through the driver. ``path`` is as
         rank 0 sees it; the files appear there together when the export is complete.
 
+        A ``peft`` model writes its adapter (PEFT's layout) or, ``merge=True``, the merged
+        model; one ``from_pretrained`` would load wrongly is refused (docs/fine-tuning.md).
+
         Args:
             path: a new or empty local directory.
             max_shard_size: bytes per safetensors file, or ``"5GB"`` (HF's default), ``"200MB"``.
             model_index: which model, when ``model_creator`` returns several.
+            merge: write a PEFT model merged into its base (LoRA) instead of its adapter.
 
         Returns:
-            ``{"path", "files", "sharded", "total_size"}``.
+            ``{"path", "files", "total_size"}`` (and ``"sharded"`` in HF's layout).
 
         Raises:
-            CheckpointError: ``path`` exists and is not empty (checked before anything is written).
+            CheckpointError: ``path`` exists and is not empty (checked before anything is
+                written), or the export was refused (the reason is in the message).
             ConfigError: ``max_shard_size`` is not a size, or the workers cannot share a
                 directory to write into (another node without a shared ``checkpoint_dir``).
         """
@@ -515,7 +527,7 @@ class TorchTrainer(BaseTrainer):
         root = self.checkpoint_manager.root()
         name = f".polytrain-export-{uuid.uuid4().hex[:12]}"
         state = SaveRequest(url=root.url_of(name), header=self.checkpoints.header(self.epoch))
-        request = torch_export.ExportRequest(state, str(target), max_shard_size, model_index)
+        request = torch_export.ExportRequest(state, str(target), max_shard_size, model_index, merge)
         try:
             results = self._run(
                 torch_worker.apply_to_operator,
@@ -535,7 +547,8 @@ class TorchTrainer(BaseTrainer):
         """
         state = self.state_dict()
         models = self.creators.create_models(self.config)
-        for model, model_state in zip(models, state["models"], strict=True):
-            model.load_state_dict(model_state)
+        for index, (model, model_state) in enumerate(zip(models, state["models"], strict=True)):
+            # A run with frozen parameters saves what it trains; the rest is the creator's.
+            model.load_state_dict(with_left_out(model_state, model, left_out(state, index)))
             model.cpu()
         return models.as_returned()

@@ -18,20 +18,23 @@ import torch
 from polytrain.backends.core.backend import Backend
 from polytrain.backends.core.blocks import apply_activation_checkpointing
 from polytrain.backends.core.context import Components, WorkerContext
+from polytrain.backends.core.local_state import load_local_state
 from polytrain.backends.core.strategy import TorchStrategy
 from polytrain.checkpoint import rng_state
 from polytrain.checkpoint import single_file as ckpt
 from polytrain.checkpoint.directory import SaveRequest
+from polytrain.checkpoint.pieces import FROZEN_KEY, StateReader
 from polytrain.checkpoint.safetensors_export import META_KEY
 from polytrain.compat.allocator import release_free_memory
 from polytrain.errors import CreatorError
+from polytrain.hf import adapters
 from polytrain.launchers.worker import WORKER_STATE
 from polytrain.trainer_api.creators import TorchCreators
 from polytrain.trainer_api.data.cursor import DataCursor
 from polytrain.trainer_api.data.loaders import add_distributed_sampler
 from polytrain.trainer_api.profiling import PhaseTimer
 from polytrain.trainer_api.torch import checkpoint as checkpoint_torch
-from polytrain.trainer_api.torch import stopping
+from polytrain.trainer_api.torch import frozen, stopping
 from polytrain.trainer_api.torch.operator import TrainingOperator, overrides
 
 _KEY = "torch_trainer"
@@ -94,11 +97,14 @@ def _create_components(
     # The backend places the models (sharded ones: built in full on rank 0 only).
     models = strategy.build_models(lambda: creators.create_models(config), ctx)
     release_free_memory()  # rank 0's full copy, zero.Init's per-module full builds
+    for model in models:
+        adapters.check_quantized(model, ctx.device.type)  # QLoRA: refused on CPU workers
     train_loader, val_loader = creators.create_data(config)
     for model in models:
         # Before the backend wraps: fully_shard / DeepSpeed then wrap checkpointed blocks.
         apply_activation_checkpointing(model, ctx.step.activation_checkpointing)
-    optimizers = creators.create_optimizers(models, config)
+    # Frozen parameters (a LoRA base) stay out of the optimizers, before schedulers bind them.
+    optimizers = frozen.trainable_optimizers(creators.create_optimizers(models, config), models)
     schedulers = creators.create_schedulers(optimizers, config)
     criterion = creators.create_loss(config)
     if isinstance(criterion, torch.nn.Module):
@@ -372,11 +378,12 @@ def get_state(epoch: int) -> dict[str, Any] | None:
     strategy: TorchStrategy = operator.strategy
     with strategy.worker_scope(operator.context):
         full = strategy.full_state_dict(operator.components, operator.context)
+    entries = frozen.frozen_entries(operator)
     if operator.world_rank != 0:
         return None
+    state = {"models": full["models"], "optimizers": full["optimizers"]}
     return {
-        "models": full["models"],
-        "optimizers": full["optimizers"],
+        **frozen.drop_frozen(state, entries),  # a LoRA run's state: the adapters, not the base
         **checkpoint_torch.trainer_state(operator),
         META_KEY: checkpoint_torch.export_infos(operator),
     }
@@ -388,7 +395,12 @@ def load_state(state: dict[str, Any]) -> None:
     components = operator.components
     strategy: TorchStrategy = operator.strategy
     with strategy.worker_scope(operator.context):
-        strategy.load_full_state_dict(components, state, operator.context)
+        if any(state.get(FROZEN_KEY) or []):
+            # Frozen parameters left out: each rank reads what it holds, keeps the rest.
+            frozen.check_loadable(state, operator)
+            load_local_state(strategy, components, StateReader(state), operator.context)
+        else:
+            strategy.load_full_state_dict(components, state, operator.context)
     checkpoint_torch.load_trainer_state(operator, state)
 
 
