@@ -193,3 +193,70 @@ def test_a_packed_batch_trains_exactly_as_its_examples_apart(tokenizer_dir):
     # (A fresh model's attention is nearly uniform: the difference is small, yet 100 times the
     # tolerance the isolated rows meet above.)
     assert abs(crossing.item() - padded_loss) > 1e-4 * padded_loss
+
+
+# ------------------------------------------------------------------ the token-mean loss
+def test_accumulated_micro_batches_train_as_one_batch_of_their_tokens(tokenizer_dir):
+    """Local mode (one process, no Ray): 2 micro-batches of 4 packed examples per step equal
+    one step over the 8 examples unpacked, although the micro-batches hold different numbers
+    of trained tokens."""
+    from polytrain import TorchTrainer
+    from polytrain.hf.data import TokenMeanOperator
+
+    examples = make_examples(16, seed=5)
+    vocab = len(_format(tokenizer_dir, max_length=48).loaded_tokenizer)
+
+    def optimizer_creator(model, config):
+        return torch.optim.SGD(model.parameters(), lr=0.5)
+
+    trainer = TorchTrainer(
+        model_creator=lambda config: tiny_gpt2(vocab),
+        data_creator=lambda config: instruction_loader(
+            examples, _format(tokenizer_dir, max_length=48, pack=True), config["batch_size"]
+        ),
+        optimizer_creator=optimizer_creator,
+        training_operator_cls=TokenMeanOperator,
+        config={"batch_size": 4},
+        num_workers=0,
+        gradient_accumulation_steps=2,
+    )
+    try:
+        stats = [trainer.train(num_steps=1) for _ in range(2)]
+        model = trainer.get_model()
+    finally:
+        trainer.shutdown()
+    reference = tiny_gpt2(vocab)
+    optimizer = optimizer_creator(reference, {})
+    fmt = _format(tokenizer_dir, max_length=48)
+    losses, tokens = [], []
+    for step in range(2):
+        batch = fmt.collate([fmt.encode(e) for e in examples[8 * step : 8 * step + 8]])
+        optimizer.zero_grad()
+        loss = reference(**batch).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        tokens.append(int((batch["labels"] != X).sum()))
+    assert [s["loss"] for s in stats] == pytest.approx(losses, rel=1e-5)
+    assert [s["num_tokens"] for s in stats] == tokens
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=1e-5)
+
+
+def test_token_mean_operator_refuses_a_loss_creator(tokenizer_dir):
+    from polytrain import TorchTrainer
+    from polytrain.errors import WorkerError
+    from polytrain.hf.data import TokenMeanOperator
+
+    with pytest.raises((ConfigError, WorkerError), match="uses the model's own loss"):
+        TorchTrainer(
+            model_creator=lambda config: tiny_gpt2(32),
+            data_creator=lambda config: instruction_loader(
+                make_examples(4), _format(tokenizer_dir, max_length=48), 2
+            ),
+            optimizer_creator=lambda model, config: torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_creator=torch.nn.CrossEntropyLoss,
+            training_operator_cls=TokenMeanOperator,
+            config={"batch_size": 2},
+            num_workers=0,
+        )

@@ -90,7 +90,9 @@ class _StepTokens:
     def __len__(self) -> int:
         return len(self.batches)  # TypeError for unsized loaders, as the loop expects
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # ends_epoch and the like, of the batches
+        if "batches" not in self.__dict__:
+            raise AttributeError(name)
         return getattr(self.__dict__["batches"], name)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
