@@ -20,7 +20,7 @@ from polytrain.hf.data import (
     pad_rows,
     step_token_count,
 )
-from polytrain.trainer_api.torch.batches import batch_counts
+from polytrain.trainer_api.torch.default_step import batch_counts
 from tests.instruction_helpers import PROMPT, RESPONSE, build_tokenizer, make_examples, tiny_gpt2
 
 X = IGNORE_INDEX
