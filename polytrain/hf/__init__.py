@@ -1,4 +1,4 @@
-"""Fine-tuning pretrained Hugging Face models: weights in, PEFT adapters, HF / PEFT export.
+"""Hugging Face models on polytrain: pretrained weights in, PEFT adapters, export, instruction data.
 
 * :func:`from_pretrained` / :func:`pretrained`: an HF checkpoint directory in a
   ``model_creator``; on the workers each rank reads only the part of every tensor
@@ -9,6 +9,8 @@
   a PEFT model needs to know about it.
 * :mod:`polytrain.hf.export`: a PEFT model's adapter in PEFT's layout, or merged into
   its base in HF's layout (``save_pretrained``, ``polytrain checkpoint convert``).
+* :mod:`polytrain.hf.data`: instruction data (chat templates, prompt masking, packing,
+  the token-mean loss); it imports ``datasets`` only where it reads a folder.
 
 This package knows no launcher, backend or trainer; importing it imports neither
 ``transformers`` nor ``peft`` (nor ``torch``: its names load on first use).

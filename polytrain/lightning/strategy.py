@@ -268,9 +268,12 @@ class RayStrategy(TorchCollectives, ParallelStrategy):
         if self._prepared() is not None:
             # LightningModule.optimizer_zero_grad calls optimizer.zero_grad(); the backend
             # decides how to zero (fairscale must zero through the model, Horovod rejects
-            # set_to_none). Shadowing the method on the wrapper leaves the optimizer as is.
+            # set_to_none). Lightning's automatic loop hands the hook the optimizer itself
+            # (trainer.optimizers), not the wrapper, so both route to the backend: with
+            # torch's set_to_none, fairscale's sddp trained wrong from the second step on.
             for wrapper, optimizer in zip(self._lightning_optimizers, optimizers, strict=True):
                 wrapper.zero_grad = functools.partial(self._zero_grad, optimizer)
+                _route_zero_grad(optimizer, functools.partial(self._zero_grad, optimizer))
 
     def _prepared(self) -> WorkerSide | None:
         """The worker side once the backend prepared the components (None otherwise)."""
@@ -485,3 +488,25 @@ def _policies(name: str, max_retries: int, max_drains: int | None) -> tuple[Any,
         FailurePolicy(max_retries, option=f"{name} max_retries"),
         DrainPolicy(max_drains, f"{name} max_drains"),
     )
+
+
+def _route_zero_grad(optimizer: Any, route: Callable[[], None]) -> None:
+    """Make ``optimizer.zero_grad(...)`` call ``route`` (the backend's zeroing) instead.
+
+    The backend's zeroing may call the optimizer's own ``zero_grad``: that inner call
+    reaches the class's method.
+    """
+    own = type(optimizer).zero_grad.__get__(optimizer)
+    busy = False
+
+    def zero_grad(*args: Any, **kwargs: Any) -> None:
+        nonlocal busy
+        if busy:
+            return own(*args, **kwargs)
+        busy = True
+        try:
+            route()
+        finally:
+            busy = False
+
+    optimizer.zero_grad = zero_grad

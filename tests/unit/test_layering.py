@@ -14,8 +14,9 @@ importing any framework. The floors, bottom to top::
                               imports no other backend's folder
     runs                      the one run loop: groups, calls, watches, policies (no front end)
     trainer_api               the trainers and what they run on the workers
-    lightning, tune, train    integrations built on the trainers and backends (train: the
-                              function API, Ray Train's ``ray.train``)
+    lightning, tune, train,   integrations built on the trainers and backends (train: the
+    hf                        function API, Ray Train's ``ray.train``; hf: pretrained
+                              models, adapters, instruction data)
     __init__, __main__, cli, compare   the faces: nothing below them imports them
 
 No module imports itself back through a chain of imports (an import circle),
@@ -162,6 +163,7 @@ LAYER_RULES = {
         "polytrain.lightning",
         "polytrain.tune",
         "polytrain.train",
+        "polytrain.hf",
         CLI,
         "polytrain.compare",
     ),
@@ -173,6 +175,7 @@ LAYER_RULES = {
         "polytrain.lightning",
         "polytrain.tune",
         "polytrain.train",
+        "polytrain.hf",
         CLI,
         "polytrain.compare",
     ),
@@ -188,6 +191,7 @@ LAYER_RULES = {
         "polytrain.lightning",
         "polytrain.tune",
         "polytrain.train",
+        "polytrain.hf",
         CLI,
         "polytrain.compare.runner",
     ),
@@ -197,6 +201,7 @@ LAYER_RULES = {
         "polytrain.lightning",
         "polytrain.tune",
         "polytrain.train",
+        "polytrain.hf",
         CLI,
         "polytrain.compare",
     ),

@@ -9,7 +9,10 @@ for a ``data_creator``: each split is iterated with ``iter_torch_batches`` at
 the per-worker batch (``config["batch_size"]`` is the global batch, as for
 DataLoaders), and each batch becomes a tuple of its columns in the data set's
 column order, so the default training step reads ``(features..., target)``:
-put the label column last.
+put the label column last. A token data set (one with an ``input_ids`` column,
+as tokenizers and ``polytrain.hf.data`` make) gives mapping batches instead,
+``{column: tensor}``, which the default step passes as ``model(**batch)``: models
+that read token ids (transformers') take their inputs by name.
 
 A new split is made at every group start (and restart), so a restarted group
 never waits on a coordinator of the old one.
@@ -111,12 +114,17 @@ def receive_shards(shards: dict[str, Any]) -> None:
     WORKER_STATE[_SHARDS_KEY] = shards
 
 
+#: The column that makes a data set's batches mappings (token data).
+TOKEN_COLUMN = "input_ids"
+
+
 class ShardLoader:
     """A worker's split of a Ray Dataset as an iterable of torch batches (one pass per epoch).
 
     Args:
         iterator: the ``DataIterator`` of this worker's split.
-        columns: the data set's column names: each batch is a tuple in this order.
+        columns: the data set's column names: each batch is a tuple in this order
+            (a mapping of them when ``input_ids`` is among them).
         batch_size: rows per batch on this worker.
         training: drop a last, smaller batch (every worker then takes the same steps).
     """
@@ -127,12 +135,16 @@ class ShardLoader:
         self.batch_size = batch_size
         self.training = training
 
-    def __iter__(self) -> Iterator[tuple[Any, ...]]:
+    def __iter__(self) -> Iterator[tuple[Any, ...] | dict[str, Any]]:
         batches = self.iterator.iter_torch_batches(
             batch_size=self.batch_size, drop_last=self.training
         )
+        as_mapping = TOKEN_COLUMN in self.columns
         for batch in batches:
-            yield tuple(batch[column] for column in self.columns)
+            if as_mapping:
+                yield {column: batch[column] for column in self.columns}
+            else:
+                yield tuple(batch[column] for column in self.columns)
 
     def __repr__(self) -> str:
         return f"ShardLoader(columns={self.columns}, batch_size={self.batch_size})"

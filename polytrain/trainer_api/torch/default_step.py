@@ -5,8 +5,8 @@ The default :class:`~polytrain.trainer_api.torch.operator.TrainingOperator` step
 (``{"input_ids", "attention_mask", "labels"}``) passed as ``model(**batch)``. A
 model whose output carries its own loss (an object with ``.loss`` such as a
 HuggingFace ``ModelOutput``, or a dict with ``"loss"``) needs no ``loss_creator``.
-Token batches also report ``num_tokens``: the tokens that count (the
-``attention_mask`` sum, else the labels that are not the ignore index).
+Token batches also report ``num_tokens``: the tokens that train (the labels
+that are not the ignore index; without labels the ``attention_mask`` sum).
 
 The step itself (:func:`train_step`) is a forward between the operator's
 ``zero_grad`` / ``backward`` / ``step``, which ask the backend's strategy for
@@ -122,12 +122,13 @@ def _leading_dim(batch: Any, target: Any) -> int:
 
 
 def _num_tokens(batch: Mapping) -> int | None:
-    mask = batch.get("attention_mask")
-    if isinstance(mask, torch.Tensor):
-        return int(mask.sum().item())
+    # The trained tokens: a masked prompt or padding is read, not trained.
     labels = batch.get("labels")
     if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
         return int((labels != IGNORE_INDEX).sum().item())
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        return int(mask.sum().item())
     ids = batch.get("input_ids")
     if isinstance(ids, torch.Tensor):
         return int(ids.numel())

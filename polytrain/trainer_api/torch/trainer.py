@@ -106,7 +106,8 @@ class TorchTrainer(BaseTrainer):
             "wandb", "csv") that get the reduced metrics of every call.
         datasets: Ray Data input instead of ``data_creator``: ``{"train": ds, "val": ds}``
             (``ray.data.Dataset``), split between the workers with ``streaming_split``;
-            batches are tuples of the columns in order, label last (see
+            batches are tuples of the columns in order, label last (dicts of the
+            columns for token data: an ``input_ids`` column; see
             :mod:`polytrain.trainer_api.data.ray_data`).
         peft_config: a ``peft.PeftConfig`` (``peft.LoraConfig(r=8, target_modules=[...])``)
             or a dict of one with its ``peft_type``: the model ``model_creator`` returns is
