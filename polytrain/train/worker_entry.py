@@ -65,6 +65,7 @@ def setup_session(
             run_url=spec.run_url,
             dataset_shards=shards,
             strategy=strategy,
+            backend=spec.backend,
         ),
     )
 

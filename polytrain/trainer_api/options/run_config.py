@@ -35,6 +35,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from polytrain.backends.core.parallelism import Parallelism
 from polytrain.backends.registry import get_spec, resolve_backend_name
 from polytrain.compat.omegaconf_values import describe, is_omegaconf, plain_config
 from polytrain.errors import ConfigError, ConfigTypeError
@@ -106,6 +107,9 @@ class RunConfig(StepFields):
         scaling: :class:`~polytrain.ScalingConfig` fields.
         failure: :class:`~polytrain.FailureConfig` fields.
         checkpoint: :class:`~polytrain.CheckpointConfig` fields.
+        parallelism: the device mesh, ``{dp_replicate: R, dp_shard: S, tp: T}`` (TorchTrainer's
+            ``parallelism=``, see docs/parallelism.md).
+        tp_plan: ``{module name pattern: style name}``, TorchTrainer's ``tp_plan=``.
         loggers: experiment trackers by name (``[tensorboard, csv]`` or ``"mlflow,csv"``),
             see :mod:`polytrain.loggers`.
         torch: the torch version of the job (creators, torch-only options), when the
@@ -136,6 +140,8 @@ class RunConfig(StepFields):
     failure: FailureSection = Field(default_factory=FailureSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     loggers: list[str] | str | None = None
+    parallelism: dict[str, int] | None = None
+    tp_plan: dict[str, str] | None = None
     torch: FrameworkSection | None = None
     tensorflow: FrameworkSection | None = None
 
@@ -157,6 +163,12 @@ class RunConfig(StepFields):
     def _known_backend(cls, value: str | None) -> str | None:
         if value is not None:
             resolve_backend_name(value)  # UnknownBackendError lists every valid name
+        return value
+
+    @field_validator("parallelism")
+    @classmethod
+    def _mesh_sizes(cls, value: dict[str, int] | None) -> dict[str, int] | None:
+        Parallelism.from_value(value)  # unknown keys, sizes < 1 other than -1
         return value
 
     @field_validator("loggers")
@@ -283,6 +295,8 @@ class RunConfig(StepFields):
             "use_tqdm": self.use_tqdm,
             "scheduler_step_freq": self.scheduler_step_freq,
             "loggers": self.loggers,
+            "parallelism": self.parallelism,
+            "tp_plan": self.tp_plan,
         }
         params = inspect.signature(trainer_cls).parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
