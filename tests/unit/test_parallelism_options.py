@@ -116,3 +116,27 @@ def test_run_configs_carry_parallelism_and_tp_plan(tmp_path: Path):
     assert kwargs["tp_plan"] == {"0": "colwise"}
     with pytest.raises(ConfigError, match=r"parallelism.*Unknown parallelism key\(s\) \['pp'\]"):
         load_config(path, ["parallelism.pp=2"])
+
+
+def test_deepspeed_maps_tp_to_autotp_and_replication_to_hpz_and_refuses_the_rest():
+    if not get_spec("deepspeed").installed:
+        pytest.skip("deepspeed is not installed")
+    deepspeed = get_backend_class("deepspeed")
+    hpz = deepspeed({"stage": 3})
+    hpz.configure_parallelism({"dp_replicate": 2, "dp_shard": 2}, num_workers=4)
+    zero = hpz.make_strategy().config.resolved()["zero_optimization"]
+    assert zero["zero_hpz_partition_size"] == 2
+    tp = deepspeed()
+    tp.configure_parallelism({"dp_shard": 2, "tp": 2}, num_workers=4)
+    strategy = tp.make_strategy()
+    assert strategy.config.resolved()["tensor_parallel"] == {"autotp_size": 2}
+    assert type(strategy).__name__ == "AutoTPStrategy" and tp.data_parallel_size(4) == 2
+    with pytest.raises(ConfigError, match="hpZ.*needs ZeRO stage 3, but the config has stage 2"):
+        _trainer("deepspeed", {"dp_replicate": 2, "dp_shard": 2})
+    with pytest.raises(ConfigError, match="hpZ .* and AutoTP .* together are not supported"):
+        _trainer("deepspeed", {"dp_replicate": 2, "dp_shard": 2, "tp": 2}, 8)
+    with pytest.raises(ConfigError, match="tp_plan= is the fsdp backend's"):
+        _trainer("deepspeed", {"tp": 2}, tp_plan={"0": "colwise"})
+    conflicting = {"config": {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}}}
+    with pytest.raises(ConfigError, match="zero_hpz_partition_size=2, but the DeepSpeed config"):
+        _trainer("deepspeed", {"dp_replicate": 2, "dp_shard": 2}, backend_config=conflicting)
