@@ -59,6 +59,10 @@ def train_steps(trainer: TorchTrainer) -> list[dict]:
 
 def assert_matches_reference(stats: list[dict], trained: torch.nn.Module, model: str) -> None:
     reference, losses, norms = lm.reference(model)
+    got = [s["loss"] for s in stats]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, losses, strict=True))
+    print(f"[parallelism] {model}: per-step loss max rel diff {worst:.1e}, weights "
+          f"{max_diff(trained, reference):.1e}")  # fmt: skip
     assert [s["num_steps"] for s in stats] == [1] * lm.STEPS
     assert [s["loss"] for s in stats] == pytest.approx(losses, rel=TOLERANCE)
     assert [s["grad_norm"] for s in stats] == pytest.approx(norms, rel=TOLERANCE)
@@ -138,11 +142,20 @@ def test_tp2_x_fsdp2_llama_equals_one_process_and_its_checkpoints_cross_layouts(
 
 
 def test_tp2_gpt2_equals_one_process(ray_start_4_cpus, no_leftover_actors):
-    """GPT-2's own plan (Conv1D, fused q/k/v) on 2 workers: TP alone, no data parallelism."""
+    """GPT-2's own plan (Conv1D, fused q/k/v) on 2 workers: TP alone, no data parallelism.
+
+    Its consolidated state loads back unchanged: q, k and v are interleaved in each
+    rank's block of ``c_attn``, which a load that slices by offsets would scramble.
+    """
+    from tests.integration.test_checkpoint_dir import assert_same_state
+
     trainer = make_trainer("gpt2", {"tp": 2}, num_workers=2)
     try:
         stats = train_steps(trainer)
         trained = trainer.get_model()
+        state = trainer.state_dict()
+        trainer.load_state_dict(state)
+        assert_same_state(state, trainer.state_dict())
     finally:
         trainer.shutdown()
     assert_matches_reference(stats, trained, "gpt2")
@@ -209,3 +222,143 @@ def test_hsdp_2x2_replicates_across_two_nodes_and_equals_one_process(tmp_path):
         assert worker["rank"] in shard_group and worker["rank"] in replicas
         assert {node_of[r] for r in shard_group} == {worker["node_ip"]}  # inside its node
         assert len({node_of[r] for r in replicas}) == 2  # across both nodes
+
+
+def test_deepspeed_autotp_2_x_zero_and_hpz_2x2_equal_one_process(
+    ray_start_4_cpus, no_leftover_actors, tmp_path
+):
+    """tp as DeepSpeed's AutoTP (over ZeRO-2), dp_replicate x dp_shard as ZeRO-3 + hpZ.
+
+    AutoTP's checkpoint holds the whole weights (gathered from its slices), which
+    load under ddp on one worker; its optimizer state has no portable form.
+    """
+    pytest.importorskip("deepspeed")
+    for parallelism, backend_config in [
+        ({"dp_shard": 2, "tp": 2}, None),
+        ({"dp_replicate": 2, "dp_shard": 2}, {"stage": 3}),
+    ]:
+        trainer = make_trainer(
+            "llama", parallelism, backend="deepspeed", backend_config=backend_config
+        )
+        try:
+            stats = train_steps(trainer)
+            trained = trainer.get_model()
+            if parallelism.get("tp"):
+                trainer.save(tmp_path / "autotp.pt")
+        finally:
+            trainer.shutdown()
+        assert_matches_reference(stats, trained, "llama")
+    other = make_trainer("llama", None, num_workers=0, backend="ddp")
+    try:
+        other.load(tmp_path / "autotp.pt")
+        assert max_diff(other.get_model(), lm.reference("llama")[0]) < WEIGHT_TOLERANCE
+    finally:
+        other.shutdown()
+
+
+# ----------------------------------------------------------- make test-long
+LONG_LAYOUTS = [
+    pytest.param("llama", {"dp_replicate": 2, "dp_shard": 2}, {}, id="llama-hsdp2x2"),
+    pytest.param("llama", {"dp_replicate": 2, "tp": 2}, {}, id="llama-tp2-x-replicate2"),
+    pytest.param("llama", {"dp_shard": 2, "tp": 2}, {"config": {"tie": True}}, id="llama-tied"),
+    pytest.param("gpt2", {"dp_shard": 2, "tp": 2}, {"activation_checkpointing": True}, id="gpt2"),
+    pytest.param("llama", {"dp_shard": 2, "tp": 2}, {"compile": True}, id="llama-compile"),
+]
+
+
+@pytest.mark.long_matrix
+@pytest.mark.parametrize(("model", "parallelism", "options"), LONG_LAYOUTS)
+def test_more_layouts_equal_one_process(
+    ray_start_4_cpus, no_leftover_actors, model, parallelism, options
+):
+    config = options.get("config", {})
+    trainer = make_trainer(model, parallelism, **options)
+    try:
+        stats = train_steps(trainer)
+        trained = trainer.get_model()
+    finally:
+        trainer.shutdown()
+    reference, losses, norms = lm.reference(model, config=config)
+    assert [s["loss"] for s in stats] == pytest.approx(losses, rel=TOLERANCE)
+    assert [s["grad_norm"] for s in stats] == pytest.approx(norms, rel=TOLERANCE)
+    assert max_diff(trained, reference) < WEIGHT_TOLERANCE
+
+
+@pytest.mark.long_matrix
+def test_tp_with_replicas_across_two_nodes(tmp_path):
+    """GPT-2 TP 2 inside each simulated node, its two replicas across the nodes."""
+    result = _on_two_nodes(tmp_path, "tp_hsdp")
+    _assert_equal_to_reference(result)
+    node_of = {w["rank"]: w["node_ip"] for w in result["workers"]}
+    for worker in result["workers"]:
+        assert {node_of[r] for r in worker["groups"]["tp"]} == {worker["node_ip"]}
+        assert len({node_of[r] for r in worker["groups"]["dp_replicate"]}) == 2
+
+
+@pytest.mark.long_matrix
+def test_bf16_under_tp_stays_close_to_fp32(ray_start_4_cpus, no_leftover_actors):
+    """bf16 (FSDP2's MixedPrecisionPolicy) under TP 2 x FSDP 2: bf16 rounding, not a different run."""
+    trainer = make_trainer("llama", {"dp_shard": 2, "tp": 2}, precision="bf16")
+    try:
+        stats = train_steps(trainer)
+    finally:
+        trainer.shutdown()
+    _, losses, norms = lm.reference("llama")
+    assert [s["loss"] for s in stats] == pytest.approx(losses, rel=1e-2)
+    assert [s["grad_norm"] for s in stats] == pytest.approx(norms, rel=5e-2)
+
+
+@pytest.mark.long_matrix
+def test_sharded_checkpoints_of_interleaved_and_replicated_layouts_load_anywhere(
+    ray_start_4_cpus, no_leftover_actors, tmp_path
+):
+    """GPT-2 under TP (q/k/v interleaved) -> ddp on 1 worker; HSDP 2x2 -> TP 2 x FSDP 2."""
+    from tests.integration.test_checkpoint_dir import assert_same_state
+
+    saved = {}
+    for name, model, parallelism in [
+        ("gpt2", "gpt2", {"dp_shard": 2, "tp": 2}),
+        ("hsdp", "llama", {"dp_replicate": 2, "dp_shard": 2}),
+    ]:
+        folder = tmp_path / name
+        trainer = make_trainer(
+            model, parallelism, checkpoint_config={"checkpoint_dir": str(folder)}
+        )
+        try:
+            trainer.train()
+            saved[name] = (str(folder / "checkpoint_000001"), trainer.state_dict())
+        finally:
+            trainer.shutdown()
+    for name, model, parallelism, workers, backend in [
+        ("gpt2", "gpt2", None, 0, "ddp"),
+        ("hsdp", "llama", {"dp_shard": 2, "tp": 2}, 4, "fsdp"),
+    ]:
+        other = make_trainer(model, parallelism, num_workers=workers, backend=backend)
+        try:
+            other.load(saved[name][0])
+            assert_same_state(saved[name][1], other.state_dict())
+        finally:
+            other.shutdown()
+
+
+@pytest.mark.long_matrix
+def test_a_model_without_a_plan_and_heads_not_divisible_fail_on_the_workers_with_the_reason(
+    ray_start_4_cpus, no_leftover_actors
+):
+    from polytrain.errors import ConfigError
+    from tests.helpers import parity_data_creator, parity_model_creator, parity_optimizer_creator
+
+    with pytest.raises(ConfigError, match="needs a tensor-parallel plan for Sequential"):
+        TorchTrainer(
+            model_creator=parity_model_creator,
+            data_creator=parity_data_creator,
+            optimizer_creator=parity_optimizer_creator,
+            loss_creator=torch.nn.CrossEntropyLoss,
+            config={"batch_size": 32},
+            num_workers=2,
+            backend="fsdp",
+            parallelism={"tp": 2},
+            failure_config={"max_retries": 0},
+        )
+    with pytest.raises(ConfigError, match="num_key_value_heads=2, which is not divisible by 4"):
+        make_trainer("llama", {"tp": 4})

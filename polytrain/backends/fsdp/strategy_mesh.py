@@ -168,6 +168,24 @@ class MeshStates(ShardedStates):
     """
 
     @torch.no_grad()
+    def load_full_state_dict(
+        self, components: Components, state: dict[str, Any], ctx: WorkerContext
+    ) -> None:
+        """(every rank) A full torch-format state, placed as each parameter is (no communication).
+
+        ``set_model_state_dict`` / ``set_optimizer_state_dict`` slice by offsets, which
+        interleaved TP blocks are not; ``distribute_tensor`` with ``src_data_rank=None``
+        takes this rank's part of the full tensor every rank holds, whatever the placement.
+        """
+        for model, model_state in zip(components.models, state["models"], strict=True):
+            for name, tensor in _named_state(model):
+                _place(tensor, model_state[name])
+        states = _sharding.portable_optimizer_states(state.get("optimizers"))
+        for optimizer, optimizer_state in zip(components.optimizers, states or [], strict=True):
+            if optimizer_state is not None:
+                optimizer.load_state_dict(_placed_optimizer_state(optimizer, optimizer_state))
+
+    @torch.no_grad()
     def load_rank0_weights(
         self, model: torch.nn.Module, weights: dict[str, Any], ctx: WorkerContext
     ) -> None:
@@ -191,6 +209,40 @@ class MeshStates(ShardedStates):
                 tensor.copy_(full)
         # The non-persistent buffers (rotary tables) are in no state dict.
         meta_init.broadcast_from_rank0(list(model.buffers()))
+
+
+def _place(tensor: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of ``full`` into ``tensor`` (a DTensor of any placement, or plain)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(tensor, DTensor):
+        tensor.copy_(full.reshape(tensor.shape))
+        return
+    full = full.to(device=tensor.device, dtype=tensor.dtype)
+    mine = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
+    tensor.to_local().copy_(mine.to_local())
+
+
+def _placed_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict:
+    """A torch-format state whose per-element tensors are placed as their parameters."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    placed = {"param_groups": state["param_groups"], "state": {}}
+    for index, entry in state["state"].items():
+        param = params[int(index)]
+        placed["state"][index] = {
+            key: distribute_tensor(
+                value.to(device=param.device, dtype=param.dtype),
+                param.device_mesh,
+                param.placements,
+                src_data_rank=None,
+            )
+            if isinstance(param, DTensor) and torch.is_tensor(value) and value.dim() > 0
+            else value
+            for key, value in entry.items()
+        }
+    return placed
 
 
 def _named_state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
