@@ -189,6 +189,7 @@ def _optimizer_pieces(index: int, optimizer: torch.optim.Optimizer) -> list[Piec
     return pieces
 
 
+@torch.no_grad()
 def mesh_local_state(
     owned: list[tuple[Any, Any, Any]], components: Components, ctx: WorkerContext
 ) -> LocalState:
@@ -256,6 +257,7 @@ def _load_optimizer(index: int, optimizer: torch.optim.Optimizer, reader: ShardR
     optimizer.load_state_dict(state)
 
 
+@torch.no_grad()
 def mesh_load(
     owned: list[tuple[Any, Any, Any]], components: Components, reader: ShardReader
 ) -> None:

@@ -56,6 +56,13 @@ def _use_parallelism(session: train_session.Session, parallelism: Any, tp_plan: 
     ctx = session.worker_context
     backend.configure_parallelism(parallelism, tp_plan, num_workers=ctx.world_size)
     session.strategy = backend.make_strategy()
+    split = session.strategy.sample_distribution(ctx)
+    if session.loader_split not in (None, split):
+        raise ConfigError(
+            f"prepare_data_loader split the data over {session.loader_split[0]} workers before "
+            f"parallelism={parallelism} made {split[0]} data-parallel ranks of them: call "
+            f"prepare / prepare_model with parallelism= first, then prepare_data_loader."
+        )
 
 
 def prepare_model(
@@ -146,6 +153,7 @@ def prepare_data_loader(
     session = _session("prepare_data_loader")
     if add_dist_sampler:
         replicas, rank = session.strategy.sample_distribution(session.worker_context)
+        session.loader_split = (replicas, rank)
         if replicas > 1:
             data_loader = add_distributed_sampler(data_loader, replicas, rank, training=True)
     device = session.worker_context.device
