@@ -140,3 +140,26 @@ def test_deepspeed_maps_tp_to_autotp_and_replication_to_hpz_and_refuses_the_rest
     conflicting = {"config": {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}}}
     with pytest.raises(ConfigError, match="zero_hpz_partition_size=2, but the DeepSpeed config"):
         _trainer("deepspeed", {"dp_replicate": 2, "dp_shard": 2}, backend_config=conflicting)
+
+
+def test_checkpoint_rows_are_taken_as_they_are_only_where_each_block_is_whole_rows():
+    """FSDP's row shards (also over a column-parallel TP weight) are written without moving
+    data; a row-parallel weight (split by columns) or GPT-2's interleaved q/k/v is not."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from polytrain.backends.fsdp.state_mesh import _rows_already
+
+    class Sizes:  # the mesh's dimension sizes, all _rows_already reads of it
+        def size(self, dim: int) -> int:
+            return 2
+
+    mesh = Sizes()
+    assert _rows_already((Shard(0), Shard(0)), mesh)
+    assert _rows_already((_StridedShard(0, split_factor=2), Shard(0)), mesh)  # FSDP x colwise
+    assert _rows_already((Shard(0), Replicate()), mesh)  # a norm under TP
+    assert not _rows_already((Shard(0), Shard(1)), mesh)  # FSDP x rowwise
+    assert not _rows_already((Shard(0), _StridedShard(1, split_factor=3)), mesh)  # c_attn
+    assert not _rows_already(
+        (_StridedShard(0, split_factor=2), _StridedShard(0, split_factor=3)), mesh
+    )
