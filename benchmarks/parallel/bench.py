@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,13 +32,29 @@ from benchmarks.parallel import workload  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- parallel:begin -->", "<!-- parallel:end -->"
+#: A private, short directory for the Ray instances of the polytrain runs (socket paths).
+RAY_TMPDIR = tempfile.mkdtemp(prefix="ptparray", dir="/tmp")
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
+    # polytrain_mesh.py starts its own Ray: never another cluster running on this host.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_TMPDIR"] = RAY_TMPDIR
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(":")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+def _run(command: list[str], timeout_s: float) -> None:
+    """Run ``command``; on failure, raise with the tail of its output."""
+    proc = subprocess.run(
+        command, env=_env(), timeout=timeout_s, capture_output=True, text=True, check=False
+    )
+    if proc.returncode:
+        raise RuntimeError(
+            f"{' '.join(command[:4])} ... exited {proc.returncode}:\n{proc.stdout[-2000:]}\n"
+            f"{proc.stderr[-6000:]}"
+        )
 
 
 def run_native(spec: workload.Spec, timeout_s: float) -> dict:
@@ -45,7 +62,7 @@ def run_native(spec: workload.Spec, timeout_s: float) -> dict:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         command = [*torchrun, f"--nproc_per_node={workload.NUM_WORKERS}"]
         command += [str(HERE / "native_mesh.py"), "--spec", spec.to_json(), "--out", out]
-        subprocess.run(command, env=_env(), check=True, timeout=timeout_s, capture_output=True)
+        _run(command, timeout_s)
         ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("native_rank*.json"))]
     return {
         "step_s": max(r["step_s"] for r in ranks),
@@ -57,9 +74,7 @@ def run_native(spec: workload.Spec, timeout_s: float) -> dict:
 def run_polytrain(spec: workload.Spec, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="ptpar-") as out:
         command = [sys.executable, str(HERE / "polytrain_mesh.py"), "--spec", spec.to_json()]
-        subprocess.run(
-            [*command, "--out", out], env=_env(), check=True, timeout=timeout_s, capture_output=True
-        )
+        _run([*command, "--out", out], timeout_s)
         result = json.loads((Path(out) / "polytrain.json").read_text())
     workers = sorted(result["workers"], key=lambda w: w["rank"])
     return {
@@ -183,7 +198,10 @@ def main() -> None:
     parser.add_argument("--update-results", action="store_true")
     args = parser.parse_args()
     args.layouts = args.layouts.split(",")
-    data = measure(args)
+    try:
+        data = measure(args)
+    finally:
+        shutil.rmtree(RAY_TMPDIR, ignore_errors=True)
     rows = summarize(data)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

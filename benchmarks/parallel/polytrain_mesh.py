@@ -58,7 +58,18 @@ def main() -> None:
     args = parser.parse_args()
     spec = workload.Spec.from_json(args.spec)
     os.environ.setdefault("POLYTRAIN_WARM_POOL", "0")
+    import ray
+
     from polytrain import TorchTrainer
+
+    # A private local instance with a logical CPU per worker (the machine may have fewer
+    # cores than workers, as torchrun's 4 processes share them too).
+    ray.init(
+        num_cpus=workload.NUM_WORKERS,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        configure_logging=False,
+    )
 
     trainer = TorchTrainer(
         model_creator=model_creator,
@@ -76,6 +87,7 @@ def main() -> None:
         workers = trainer.apply_all_operators(functools.partial(held))
     finally:
         trainer.shutdown()
+        ray.shutdown()
     result = {"step_s": timed["epoch_time_s"] / spec.steps, "workers": workers}
     (Path(args.out) / "polytrain.json").write_text(json.dumps(result))
 
