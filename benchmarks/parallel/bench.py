@@ -108,7 +108,13 @@ def measure(args: argparse.Namespace) -> dict:
                     f"(load {load:.2f})",
                     flush=True,
                 )
-    return {"size": args.size, "params": workload.num_params(args.size), "runs": runs}
+    return {
+        "size": args.size,
+        "params": workload.num_params(args.size),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "runs": runs,
+    }
 
 
 def summarize(data: dict) -> list[dict]:
@@ -145,16 +151,19 @@ def summarize(data: dict) -> list[dict]:
 
 def section(data: dict, rows: list[dict]) -> str:
     params = data["params"] / 1e6
+    shape = workload.SIZES[data["size"]]
     lines = [
         BEGIN,
         "## Mesh parallelism: HSDP and tensor parallelism (issue 42)",
         "",
-        f"Llama-style model, {params:.1f}M parameters (24 layers, d=1024, MLP 2560, vocab 32000), "
+        f"Llama-style model, {params:.1f}M parameters ({shape['layers']} layers, "
+        f"d={shape['hidden']}, MLP {shape['mlp']}, vocab {shape['vocab']}), "
         f"sequence {workload.SIZES[data['size']]['seq']}, one sequence per data-parallel rank, "
         f"AdamW, 4 workers on gloo/CPU, one thread each. `benchmarks/parallel/bench.py`: "
         f"native torchrun script (torch's DeviceMesh, parallelize_module, fully_shard) and "
         f"polytrain (`TorchTrainer(backend='fsdp', parallelism=...)`) interleaved, median of "
-        f"{max(r['rep'] for r in data['runs']) + 1} runs each.",
+        f"{max(r['rep'] for r in data['runs']) + 1} runs each, {data['steps']} timed steps "
+        f"after {data['warmup']} warm-up step(s) per run.",
         "",
         "| layout | native step (s) | polytrain step (s) | ratio | held per rank, formula "
         "(GiB) | held per rank, measured (GiB) | peak RSS per rank (GiB) | load 1m |",

@@ -5,8 +5,8 @@ downloaded), the same generated token data, AdamW, and run the same step:
 ``model(input_ids, labels).loss``, backward, step, zero_grad. Each data-parallel
 rank trains one sequence per step (TP peers share theirs). Sizes:
 
-* ``"350m"``: 24 layers, d=1024, 16 heads, MLP 2560, vocab 32000 (355.3M parameters),
-  sequence 64: the memory and speed figures.
+* ``"350m"``: 24 layers, d=1024, 16 heads, MLP 2560, vocab 32000 (355.0M parameters),
+  sequence 32 (short: 4 processes share 2 cores here): the memory and speed figures.
 * ``"tiny"``: 2 layers, d=64, vocab 256, sequence 32: the ``--quick`` smoke run.
 
 The held bytes of a rank are counted on its real tensors (:func:`held_bytes`):
@@ -27,7 +27,7 @@ LR = 1e-4
 NUM_WORKERS = 4
 
 SIZES: dict[str, dict[str, int]] = {
-    "350m": {"vocab": 32000, "hidden": 1024, "mlp": 2560, "layers": 24, "heads": 16, "seq": 64},
+    "350m": {"vocab": 32000, "hidden": 1024, "mlp": 2560, "layers": 24, "heads": 16, "seq": 32},
     "tiny": {"vocab": 256, "hidden": 64, "mlp": 128, "layers": 2, "heads": 4, "seq": 32},
 }
 

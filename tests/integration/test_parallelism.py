@@ -141,20 +141,32 @@ def test_tp2_x_fsdp2_llama_equals_one_process_and_its_checkpoints_cross_layouts(
         assert torch.equal(exported[key], value), key
 
 
-def test_tp2_gpt2_equals_one_process(ray_start_4_cpus, no_leftover_actors):
-    """GPT-2's own plan (Conv1D, fused q/k/v) on 2 workers: TP alone, no data parallelism.
+def test_tp2_x_fsdp2_gpt2_equals_one_process_and_its_state_round_trips(
+    ray_start_4_cpus, no_leftover_actors, tmp_path
+):
+    """GPT-2's own plan (Conv1D, fused q/k/v) under TP 2 x FSDP 2, with activation checkpointing.
 
-    Its consolidated state loads back unchanged: q, k and v are interleaved in each
-    rank's block of ``c_attn``, which a load that slices by offsets would scramble.
+    Its consolidated state and its checkpoint directory load back unchanged: q, k and
+    v are interleaved in each rank's block of ``c_attn``, which a load slicing by
+    offsets would scramble, and the embeddings live on the data-parallel mesh only
+    (each TP rank holds them: one must write them).
     """
     from tests.integration.test_checkpoint_dir import assert_same_state
 
-    trainer = make_trainer("gpt2", {"tp": 2}, num_workers=2)
+    folder = tmp_path / "gpt2"
+    trainer = make_trainer(
+        "gpt2",
+        {"dp_shard": 2, "tp": 2},
+        activation_checkpointing=True,
+        checkpoint_config={"checkpoint_dir": str(folder)},
+    )
     try:
-        stats = train_steps(trainer)
+        stats = train_steps(trainer)  # the epoch's end writes a checkpoint directory
         trained = trainer.get_model()
         state = trainer.state_dict()
         trainer.load_state_dict(state)
+        assert_same_state(state, trainer.state_dict())
+        trainer.load(str(folder / "checkpoint_000001"))
         assert_same_state(state, trainer.state_dict())
     finally:
         trainer.shutdown()
@@ -261,7 +273,8 @@ LONG_LAYOUTS = [
     pytest.param("llama", {"dp_replicate": 2, "dp_shard": 2}, {}, id="llama-hsdp2x2"),
     pytest.param("llama", {"dp_replicate": 2, "tp": 2}, {}, id="llama-tp2-x-replicate2"),
     pytest.param("llama", {"dp_shard": 2, "tp": 2}, {"config": {"tie": True}}, id="llama-tied"),
-    pytest.param("gpt2", {"dp_shard": 2, "tp": 2}, {"activation_checkpointing": True}, id="gpt2"),
+    pytest.param("gpt2", {"tp": 2}, {}, id="gpt2-tp2"),
+    pytest.param("gpt2", {"dp_replicate": 2, "dp_shard": 2}, {}, id="gpt2-hsdp2x2"),
     pytest.param("llama", {"dp_shard": 2, "tp": 2}, {"compile": True}, id="llama-compile"),
 ]
 
@@ -312,12 +325,12 @@ def test_bf16_under_tp_stays_close_to_fp32(ray_start_4_cpus, no_leftover_actors)
 def test_sharded_checkpoints_of_interleaved_and_replicated_layouts_load_anywhere(
     ray_start_4_cpus, no_leftover_actors, tmp_path
 ):
-    """GPT-2 under TP (q/k/v interleaved) -> ddp on 1 worker; HSDP 2x2 -> TP 2 x FSDP 2."""
+    """GPT-2 under TP 2 x 2 replicas -> ddp on 1 worker; HSDP 2x2 -> TP 2 x FSDP 2."""
     from tests.integration.test_checkpoint_dir import assert_same_state
 
     saved = {}
     for name, model, parallelism in [
-        ("gpt2", "gpt2", {"dp_shard": 2, "tp": 2}),
+        ("gpt2", "gpt2", {"dp_replicate": 2, "tp": 2}),
         ("hsdp", "llama", {"dp_replicate": 2, "dp_shard": 2}),
     ]:
         folder = tmp_path / name

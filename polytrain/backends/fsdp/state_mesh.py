@@ -14,7 +14,8 @@ redistributed over its own mesh to its *row layout*: ``Shard(0)`` on every mesh
 dimension where it is sharded, ``Replicate`` where it is replicated. Nested
 ``Shard(0)`` leaves every rank one contiguous block of rows, the range it writes;
 of the ranks holding the same block only the one at index 0 of every replicated
-dimension writes it. Blocks that already are row ranges (FSDP's ``Shard(0)``,
+dimension writes it (a dimension of the world mesh that the tensor's mesh leaves out
+counts as replicated: GPT-2's embeddings under TP). Blocks that already are row ranges (FSDP's ``Shard(0)``,
 and FSDP over a column-parallel TP weight) are written as they are, without
 communication. Loading reads the same ranges and redistributes back. A
 checkpoint written under any mesh (or backend, or world size) loads under any
@@ -24,6 +25,7 @@ other: the files hold whole tensors' ranges, never a layout.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,8 +97,16 @@ def _rows_already(placements: tuple[Any, ...], mesh: Any) -> bool:
     return True
 
 
-def row_layout(tensor: Any) -> RowLayout:
-    """The :class:`RowLayout` of a DTensor on this rank."""
+def row_layout(tensor: Any, world: Mapping[str, int] | None = None) -> RowLayout:
+    """The :class:`RowLayout` of a DTensor on this rank.
+
+    Args:
+        tensor: the DTensor.
+        world: this rank's index on every dimension of the world mesh, by name. A tensor
+            whose mesh leaves some out (GPT-2's embeddings under TP live on the
+            data-parallel mesh only) is the same on every index of those: rank 0 of them
+            writes it.
+    """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -108,12 +118,14 @@ def row_layout(tensor: Any) -> RowLayout:
     local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
     coordinate = mesh.get_coordinate() or [0] * mesh.ndim
     replicated_dims = [i for i, p in enumerate(placements) if p.is_replicate()]
+    names = mesh.mesh_dim_names or ()
+    outside = [index for name, index in (world or {}).items() if name not in names]
     start = int(offset[0]) * math.prod(tensor.shape[1:]) if tensor.dim() else 0
     return RowLayout(
         placements=placements,
         local_shape=tuple(int(d) for d in local_shape),
         start=start,
-        writes=all(coordinate[i] == 0 for i in replicated_dims),
+        writes=all(coordinate[i] == 0 for i in replicated_dims) and not any(outside),
         replicated=len(replicated_dims) == len(placements),
         direct=direct,
     )
@@ -144,11 +156,11 @@ def _is_dtensor(value: Any) -> bool:
     return isinstance(value, DTensor)
 
 
-def _piece(path: tuple[Any, ...], tensor: Any) -> Piece | None:
+def _piece(path: tuple[Any, ...], tensor: Any, world: Mapping[str, int] | None) -> Piece | None:
     """This rank's piece of ``tensor`` (None: another rank writes this block)."""
     if not _is_dtensor(tensor):
         return whole_piece(path, local_tensor(tensor), True)
-    layout = row_layout(tensor)
+    layout = row_layout(tensor, world)
     rows = to_rows(tensor, layout)  # every rank takes part in the redistribution
     if layout.replicated:
         return Piece(path, tuple(tensor.shape), rows, 0, True)
@@ -157,10 +169,12 @@ def _piece(path: tuple[Any, ...], tensor: Any) -> Piece | None:
     return Piece(path, tuple(tensor.shape), rows, layout.start, False)
 
 
-def _model_pieces(index: int, model: torch.nn.Module) -> list[Piece]:
+def _model_pieces(
+    index: int, model: torch.nn.Module, world: Mapping[str, int] | None
+) -> list[Piece]:
     pieces = []
     for name, param in model.named_parameters(remove_duplicate=False):
-        piece = _piece(("models", index, clean_name(name)), param)
+        piece = _piece(("models", index, clean_name(name)), param, world)
         if piece is not None:
             pieces.append(piece)
     for name, buffer in persistent_buffers(model, clean_name):
@@ -168,7 +182,9 @@ def _model_pieces(index: int, model: torch.nn.Module) -> list[Piece]:
     return pieces
 
 
-def _optimizer_pieces(index: int, optimizer: torch.optim.Optimizer) -> list[Piece]:
+def _optimizer_pieces(
+    index: int, optimizer: torch.optim.Optimizer, world: Mapping[str, int] | None
+) -> list[Piece]:
     """Per-element state as row blocks; a scalar (``step``) by the writer of row 0."""
     pieces = []
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -179,11 +195,11 @@ def _optimizer_pieces(index: int, optimizer: torch.optim.Optimizer) -> list[Piec
                 continue
             path = ("optimizers", index, "state", param_index, key)
             if value.dim() == 0 and _is_dtensor(param):
-                layout = row_layout(param)
+                layout = row_layout(param, world)
                 if layout.replicated or (layout.writes and layout.start == 0):
                     pieces.append(whole_piece(path, local_tensor(value), layout.replicated))
                 continue
-            piece = _piece(path, value)
+            piece = _piece(path, value, world)
             if piece is not None:
                 pieces.append(piece)
     return pieces
@@ -191,7 +207,10 @@ def _optimizer_pieces(index: int, optimizer: torch.optim.Optimizer) -> list[Piec
 
 @torch.no_grad()
 def mesh_local_state(
-    owned: list[tuple[Any, Any, Any]], components: Components, ctx: WorkerContext
+    owned: list[tuple[Any, Any, Any]],
+    components: Components,
+    ctx: WorkerContext,
+    world: Mapping[str, int] | None = None,
 ) -> LocalState:
     """Worker (every rank, collective): this rank's row blocks of every model and optimizer.
 
@@ -199,16 +218,17 @@ def mesh_local_state(
         owned: ``(optimizer, its model or None, names)`` per optimizer.
         components: the prepared components.
         ctx: this worker's context.
+        world: this rank's index on every dimension of the world mesh, by name.
     """
     pieces: list[Piece] = []
     for index, model in enumerate(components.models):
         if any(_is_dtensor(p) for p in model.parameters()):
-            pieces += _model_pieces(index, model)
+            pieces += _model_pieces(index, model, world)
         else:
             pieces += model_pieces(index, model.state_dict(), replicated=True)
     for index, (optimizer, model, _) in enumerate(owned):
         if model is not None and any(_is_dtensor(p) for p in model.parameters()):
-            pieces += _optimizer_pieces(index, optimizer)
+            pieces += _optimizer_pieces(index, optimizer, world)
         else:
             pieces += optimizer_pieces(index, optimizer.state_dict(), replicated=True)
     skeleton = None

@@ -144,7 +144,8 @@ class MeshFSDPStrategy(FSDP2Strategy):
         if not _sharding.shards(ctx):
             return super().sharded_state_dict(components, ctx)
         _reshard(components)
-        return state_mesh.mesh_local_state(self.states.owned(components), components, ctx)
+        world = dict(zip(MESH_DIMS, self._coords, strict=True))
+        return state_mesh.mesh_local_state(self.states.owned(components), components, ctx, world)
 
     def load_sharded_state_dict(
         self, components: Components, reader: ShardReader, ctx: WorkerContext

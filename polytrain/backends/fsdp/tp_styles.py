@@ -8,9 +8,10 @@ right (worker side):
 
 * :class:`Conv1DColwise`: the outputs split over the TP ranks (``W`` on dim 1, ``b``
   on dim 0). ``fused=3`` is GPT-2's ``c_attn``, whose outputs are q, k and v side by
-  side: each of the three is split, so rank r holds ``[q_r, k_r, v_r]``
+  side: each of the three is split, so rank r holds ``[q_r, k_r, v_r]`` of the weight
   (``_StridedShard(1, split_factor=3)``, torch's layout for a dimension sharded in
-  interleaved blocks), i.e. whole attention heads of each.
+  interleaved blocks), i.e. whole attention heads of each; the fused bias (3 x d
+  values) stays whole on every rank, which takes its parts of it.
 * :class:`Conv1DRowwise`: the inputs split (``W`` on dim 0, ``b`` replicated); the
   partial products are summed over the TP ranks.
 
@@ -59,11 +60,14 @@ class Conv1DColwise(ParallelStyle):
 
     def _apply(self, module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
         placement = _StridedShard(1, split_factor=self.fused) if self.fused > 1 else Shard(1)
-        bias = _StridedShard(0, split_factor=self.fused) if self.fused > 1 else Shard(0)
+        # A fused bias stays whole on every TP rank, each taking its parts in forward:
+        # FSDP shards dim 0 too, and its placement of a 1-D tensor split twice in
+        # interleaved blocks is not one DTensor gathers or redistributes right.
+        bias = Replicate() if self.fused > 1 else Shard(0)
         _distribute(module, "weight", device_mesh, placement, self.src_data_rank)
         if getattr(module, "bias", None) is not None:
             _distribute(module, "bias", device_mesh, bias, self.src_data_rank)
-        module.forward = functools.partial(_colwise_forward, module, device_mesh)
+        module.forward = functools.partial(_colwise_forward, module, device_mesh, self.fused)
         return module
 
 
@@ -78,15 +82,27 @@ class Conv1DRowwise(ParallelStyle):
         return module
 
 
-def _colwise_forward(module: torch.nn.Module, mesh: Any, x: torch.Tensor) -> torch.Tensor:
+def _colwise_forward(
+    module: torch.nn.Module, mesh: Any, fused: int, x: torch.Tensor
+) -> torch.Tensor:
     # Every rank's part of the output depends on all of x: its gradient is a sum over ranks.
     local = _replicated(x, mesh).to_local(grad_placements=[Partial()])
     weight = module.weight.to_local()
     flat = local.reshape(-1, local.shape[-1])
-    out = (
-        flat @ weight if module.bias is None else torch.addmm(module.bias.to_local(), flat, weight)
-    )
+    if module.bias is None:
+        out = flat @ weight
+    else:
+        out = torch.addmm(_local_bias(module.bias, mesh, fused), flat, weight)
     return out.view(*local.shape[:-1], weight.shape[-1])
+
+
+def _local_bias(bias: DTensor, mesh: Any, fused: int) -> torch.Tensor:
+    """This rank's part of a column-parallel bias (of each fused part: ``[q_r, k_r, v_r]``)."""
+    if fused == 1:
+        return bias.to_local()
+    # Whole on every rank, each using its parts: the gradient is the sum over the ranks.
+    whole = bias.to_local(grad_placements=[Partial()])
+    return whole.view(fused, mesh.size(), -1)[:, mesh.get_local_rank()].reshape(-1)
 
 
 def _rowwise_forward(module: torch.nn.Module, mesh: Any, x: torch.Tensor) -> torch.Tensor:
