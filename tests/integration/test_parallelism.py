@@ -57,11 +57,13 @@ def train_steps(trainer: TorchTrainer) -> list[dict]:
     return [trainer.train(num_steps=1) for _ in range(lm.STEPS)]
 
 
-def assert_matches_reference(stats: list[dict], trained: torch.nn.Module, model: str) -> None:
-    reference, losses, norms = lm.reference(model)
+def assert_matches_reference(
+    stats: list[dict], trained: torch.nn.Module, model: str, layout: str = "", **config
+) -> None:
+    reference, losses, norms = lm.reference(model, config=config)
     got = [s["loss"] for s in stats]
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, losses, strict=True))
-    print(f"[parallelism] {model}: per-step loss max rel diff {worst:.1e}, weights "
+    print(f"[parallelism] {model} {layout}: per-step loss max rel diff {worst:.1e}, weights "
           f"{max_diff(trained, reference):.1e}")  # fmt: skip
     assert [s["num_steps"] for s in stats] == [1] * lm.STEPS
     assert [s["loss"] for s in stats] == pytest.approx(losses, rel=TOLERANCE)
@@ -127,7 +129,7 @@ def test_tp2_x_fsdp2_llama_equals_one_process_and_its_checkpoints_cross_layouts(
         assert_same_state(fsdp_state, trainer.state_dict())
     finally:
         trainer.shutdown()
-    assert_matches_reference(stats, trained, "llama")
+    assert_matches_reference(stats, trained, "llama", "fsdp tp2 x fsdp2")
     other = make_trainer("llama", None, num_workers=0, backend="ddp")
     try:
         other.load(str(folder / "checkpoint_000001"))  # tp 2 x fsdp 2 -> ddp, 1 worker
@@ -170,7 +172,7 @@ def test_tp2_x_fsdp2_gpt2_equals_one_process_and_its_state_round_trips(
         assert_same_state(state, trainer.state_dict())
     finally:
         trainer.shutdown()
-    assert_matches_reference(stats, trained, "gpt2")
+    assert_matches_reference(stats, trained, "gpt2", "fsdp tp2 x fsdp2")
 
 
 def tp_loop(config):
@@ -218,6 +220,9 @@ def _on_two_nodes(tmp_path: Path, layout: str) -> dict:
 
 
 def _assert_equal_to_reference(result: dict) -> None:
+    pairs = zip(result["losses"], result["reference_losses"], strict=True)
+    worst = max(abs(a - b) / abs(b) for a, b in pairs)
+    print(f"[parallelism] two nodes: per-step loss max rel diff {worst:.1e}")
     assert result["losses"] == pytest.approx(result["reference_losses"], rel=TOLERANCE)
     assert result["norms"] == pytest.approx(result["reference_norms"], rel=TOLERANCE)
     assert result["num_samples"] == lm.ACCUMULATION * lm.GLOBAL_BATCH
@@ -259,7 +264,7 @@ def test_deepspeed_autotp_2_x_zero_and_hpz_2x2_equal_one_process(
                 trainer.save(tmp_path / "autotp.pt")
         finally:
             trainer.shutdown()
-        assert_matches_reference(stats, trained, "llama")
+        assert_matches_reference(stats, trained, "llama", f"deepspeed {parallelism}")
     other = make_trainer("llama", None, num_workers=0, backend="ddp")
     try:
         other.load(tmp_path / "autotp.pt")
@@ -284,17 +289,14 @@ LONG_LAYOUTS = [
 def test_more_layouts_equal_one_process(
     ray_start_4_cpus, no_leftover_actors, model, parallelism, options
 ):
-    config = options.get("config", {})
     trainer = make_trainer(model, parallelism, **options)
     try:
         stats = train_steps(trainer)
         trained = trainer.get_model()
     finally:
         trainer.shutdown()
-    reference, losses, norms = lm.reference(model, config=config)
-    assert [s["loss"] for s in stats] == pytest.approx(losses, rel=TOLERANCE)
-    assert [s["grad_norm"] for s in stats] == pytest.approx(norms, rel=TOLERANCE)
-    assert max_diff(trained, reference) < WEIGHT_TOLERANCE
+    layout = f"fsdp {parallelism} {options}"
+    assert_matches_reference(stats, trained, model, layout, **options.get("config", {}))
 
 
 @pytest.mark.long_matrix
