@@ -175,6 +175,39 @@ def test_tp2_x_fsdp2_gpt2_equals_one_process_and_its_state_round_trips(
     assert_matches_reference(stats, trained, "gpt2", "fsdp tp2 x fsdp2")
 
 
+def test_a_users_tp_plan_splits_a_model_without_a_built_in_plan(
+    ray_start_4_cpus, no_leftover_actors
+):
+    """``tp_plan=`` on a plain MLP (Linear, Tanh, Linear): column- then row-parallel, TP 2."""
+    from tests.helpers import (
+        max_param_diff,
+        parity_data_creator,
+        parity_model_creator,
+        parity_optimizer_creator,
+        plain_reference,
+    )
+
+    steps, global_batch = 4, 32
+    trainer = TorchTrainer(
+        model_creator=parity_model_creator,
+        data_creator=parity_data_creator,
+        optimizer_creator=parity_optimizer_creator,
+        loss_creator=torch.nn.CrossEntropyLoss,
+        config={"batch_size": global_batch},
+        num_workers=2,
+        backend="fsdp",
+        parallelism={"tp": 2},
+        tp_plan={"0": "colwise", "2": "rowwise"},
+        failure_config={"max_retries": 0},
+    )
+    try:
+        trainer.train(num_steps=steps)
+        trained = trainer.get_model()
+    finally:
+        trainer.shutdown()
+    assert max_param_diff(trained, plain_reference(steps, global_batch)) < WEIGHT_TOLERANCE
+
+
 def tp_loop(config):
     """The function API: ``prepare(..., parallelism=)``, then a plain loop with the helpers."""
     from polytrain.train import report
