@@ -84,6 +84,8 @@ class Session:
     checkpoint: Checkpoint | None = None
     dataset_shards: dict[str, Any] = field(default_factory=dict)
     strategy: Any = None  # the backend's worker-side strategy (polytrain.train.torch)
+    backend: Any = None  # the backend that made it (prepare_model(parallelism=...) remakes it)
+    loader_split: Any = None  # (replicas, rank) prepare_data_loader split the data by
     components: Any = None  # what prepare() wrapped, for backward / step / no_sync
     preemption: PreemptionInfo | None = None  # the drain the last report() brought back
     stopped_at: int | None = None  # the report a drain ended the loop at (it must stay ended)

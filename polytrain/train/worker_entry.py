@@ -66,6 +66,7 @@ def setup_session(
             run_url=spec.run_url,
             dataset_shards=shards,
             strategy=strategy,
+            backend=spec.backend,
         ),
     )
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from polytrain.backends.core.context import Components, WorkerContext
+from polytrain.backends.core.parallelism import Parallelism, mesh_request, refuse_mesh
 from polytrain.backends.core.rendezvous import Rendezvous
 from polytrain.backends.core.step_options import StepOptions
 from polytrain.backends.core.strategy import Strategy, TorchStrategy, load_optimizer_states
@@ -165,6 +166,52 @@ class Backend:
                 f"(or 'fsdp' / 'deepspeed' on GPUs)."
             )
         return {}
+    #: ``parallelism=`` resolved for the group (None: data parallel over every worker).
+    parallelism: Parallelism | None = None
+    #: ``tp_plan=`` as the backend accepted it (None: none, or a built-in plan).
+    tp_plan: Any = None
+
+    def configure_parallelism(
+        self,
+        parallelism: Any,
+        tp_plan: Any = None,
+        *,
+        num_workers: int,
+        min_workers: int | None = None,
+    ) -> None:
+        """Driver: take the trainer's ``parallelism=`` / ``tp_plan=``, or refuse them.
+
+        A 1-D data-parallel layout (``dp_shard`` or ``dp_replicate`` alone) is what
+        every backend does already; anything else goes to :meth:`accept_parallelism`.
+
+        Raises:
+            ConfigError: sizes that do not match ``num_workers``, a layout this backend
+                cannot run (naming the backend to use), ``tp_plan`` without ``tp > 1``,
+                or a fixed mesh with elastic ``min_workers``.
+        """
+        sizes = mesh_request(parallelism, tp_plan, num_workers, min_workers)
+        if sizes is None:
+            self.parallelism, self.tp_plan = None, None
+            return
+        self.tp_plan = self.accept_parallelism(sizes, tp_plan)
+        self.parallelism = sizes
+
+    def accept_parallelism(self, sizes: Parallelism, tp_plan: Any) -> Any:
+        """Driver: check a mesh layout for this backend; returns the ``tp_plan`` to keep.
+
+        Here: only 1-D data parallelism (refused otherwise, naming the backends that
+        run meshes). Backends with meshes override it.
+
+        Raises:
+            ConfigError: the layout is not supported, with the reason.
+        """
+        if sizes.tp == 1 and 1 in (sizes.dp_replicate, sizes.dp_shard):
+            return None
+        raise refuse_mesh(self.name, sizes, "it trains data parallel only")
+
+    def data_parallel_size(self, num_workers: int) -> int:
+        """Driver: how many workers read different data (TP peers share theirs)."""
+        return self.parallelism.data_parallel_size if self.parallelism else num_workers
 
     def make_rendezvous(self) -> Rendezvous:
         """Driver: a new driver side for one worker group."""

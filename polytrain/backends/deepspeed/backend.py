@@ -6,11 +6,15 @@ import copy
 from typing import Any
 
 from polytrain.backends.core.backend import Backend
+from polytrain.backends.core.parallelism import Parallelism
 from polytrain.backends.core.step_options import StepOptions
+from polytrain.backends.core.strategy import Strategy
 from polytrain.backends.deepspeed.config import DeepSpeedConfig, apply_step_options
 from polytrain.backends.deepspeed.env import mlflow_hidden, preserved_env
+from polytrain.backends.deepspeed.parallelism import check_mesh, with_mesh
 from polytrain.backends.deepspeed.rendezvous import DeepSpeedRendezvous
 from polytrain.backends.deepspeed.strategy import DeepSpeedStrategy
+from polytrain.backends.deepspeed.strategy_tp import AutoTPStrategy
 from polytrain.errors import ConfigError
 
 
@@ -63,6 +67,27 @@ class DeepSpeedBackend(Backend):
             raise ConfigError("dist_backend='nccl' needs use_gpu=True; use 'gloo' on CPU.")
         with preserved_env(), mlflow_hidden():
             _validate_with_deepspeed(self.config.resolved())
+
+    def accept_parallelism(self, sizes: Parallelism, tp_plan: Any) -> Any:
+        """Driver: ``tp`` as AutoTP, ``dp_replicate`` x ``dp_shard`` as ZeRO++ hpZ (stage 3).
+
+        See :mod:`polytrain.backends.deepspeed.parallelism`.
+
+        Raises:
+            ConfigError: what DeepSpeed cannot run, with the reason.
+        """
+        check_mesh(sizes, tp_plan, self.config.zero_stage)
+        with_mesh(self.config, sizes)  # a DeepSpeed config that disagrees fails here
+        return None
+
+    def make_strategy(self) -> Strategy:
+        """Worker: the engine's strategy, with the mesh's DeepSpeed sections when one is set."""
+        if self.parallelism is None:
+            return super().make_strategy()
+        config = with_mesh(self.config, self.parallelism)
+        if self.parallelism.tp > 1:
+            return AutoTPStrategy(config, self.parallelism.tp)
+        return self.strategy_cls(config)
 
 
 def _validate_with_deepspeed(ds_config: dict[str, Any]) -> None:

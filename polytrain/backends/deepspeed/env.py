@@ -86,6 +86,14 @@ def skip_unused_shm_extension() -> None:
         logger.debug("could not mark deepspeed_shm_comm as unused", exc_info=True)
 
 
+_AUTOTP_GLOBALS = (
+    "mpu",
+    "mesh_device",
+    "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE",
+    "_MPU_TENSOR_MODEL_PARALLEL_RANK",
+)
+
+
 def forget_deepspeed_groups() -> None:
     """Drop DeepSpeed's cached process groups before the default group is destroyed.
 
@@ -99,3 +107,8 @@ def forget_deepspeed_groups() -> None:
     for name, value in list(vars(groups).items()):
         if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")):
             setattr(groups, name, None if not isinstance(value, dict) else {})
+    # An AutoTP engine also records its mesh and its groups module as the "mpu": a later
+    # engine in this worker would ask them for its data-parallel group.
+    for name in _AUTOTP_GLOBALS:
+        if hasattr(groups, name):
+            setattr(groups, name, None)

@@ -159,12 +159,20 @@ class FSDP2Strategy(ShardedTorchStrategy):
         return self.states.prepare(components, ctx)
 
     def wrap(self, model: torch.nn.Module, ctx: WorkerContext) -> torch.nn.Module:
-        """Shard the units (:func:`wrap_units`), then the root, in place."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
+        """Shard the units (:func:`wrap_units`), then the root, in place (:meth:`shard`)."""
         weights = self.states.rank0_weights(model, ctx)
         if weights is None and self.config.sync_module_states:
             broadcast_from_rank0(model)
+        model = self.shard(model, ctx)
+        if weights is not None:
+            self.states.load_rank0_weights(model, weights, ctx)
+        self.states.fill_from_files(model)
+        return model
+
+    def shard(self, model: torch.nn.Module, ctx: WorkerContext) -> torch.nn.Module:
+        """``fully_shard`` the units (:func:`wrap_units`), then the root, over :meth:`_device_mesh`."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         dtype = amp_dtype(ctx)
         options = {
             "mesh": self._device_mesh(ctx),
@@ -172,13 +180,13 @@ class FSDP2Strategy(ShardedTorchStrategy):
             # Buffers (e.g. BatchNorm statistics) are not sharded and stay in full precision.
             "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype),
         }
-        for unit in wrap_units(model, self.config.auto_wrap_policy, self.config.min_num_params):
+        for unit in self.units(model):
             fully_shard(unit, **options)
-        model = fully_shard(model, **options)
-        if weights is not None:
-            self.states.load_rank0_weights(model, weights, ctx)
-        self.states.fill_from_files(model)
-        return model
+        return fully_shard(model, **options)
+
+    def units(self, model: torch.nn.Module) -> list:
+        """The submodules sharded as units of their own (:func:`wrap_units` of the config)."""
+        return wrap_units(model, self.config.auto_wrap_policy, self.config.min_num_params)
 
     def _device_mesh(self, ctx: WorkerContext) -> Any:
         """The 1-D mesh over every rank on this worker's device type (the default group)."""

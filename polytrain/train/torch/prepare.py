@@ -12,6 +12,7 @@ strategy on those components, so one loop is right on every backend.
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import torch
@@ -42,18 +43,61 @@ def _setup(session: train_session.Session, components: Components, move: bool = 
     return components
 
 
-def prepare_model(model: torch.nn.Module, move_to_device: bool = True) -> torch.nn.Module:
+def _use_parallelism(session: train_session.Session, parallelism: Any, tp_plan: Any) -> None:
+    """Remake the session's strategy for a ``parallelism`` mesh (the backend checks or refuses it)."""
+    if parallelism is None and tp_plan is None:
+        return
+    if session.components is not None:
+        raise ConfigError(
+            "parallelism= must be given to the first prepare_model / prepare call: the model "
+            "layout cannot change after something was prepared. Pass it there."
+        )
+    backend = copy.copy(session.backend)
+    ctx = session.worker_context
+    backend.configure_parallelism(parallelism, tp_plan, num_workers=ctx.world_size)
+    session.strategy = backend.make_strategy()
+    split = session.strategy.sample_distribution(ctx)
+    if session.loader_split not in (None, split):
+        raise ConfigError(
+            f"prepare_data_loader split the data over {session.loader_split[0]} workers before "
+            f"parallelism={parallelism} made {split[0]} data-parallel ranks of them: call "
+            f"prepare / prepare_model with parallelism= first, then prepare_data_loader."
+        )
+
+
+def prepare_model(
+    model: torch.nn.Module,
+    move_to_device: bool = True,
+    *,
+    parallelism: dict[str, int] | None = None,
+    tp_plan: dict[str, Any] | None = None,
+) -> torch.nn.Module:
     """Move ``model`` to the worker's device and wrap it for the backend (DDP, FSDP2, ...).
 
     For backends that wrap the optimizer too (horovod, deepspeed, fairscale OSS,
     FSDP2's optimizer over sharded parameters) use :func:`prepare`.
+
+    Args:
+        model: the module.
+        move_to_device: move it to the worker's device first.
+        parallelism: a device mesh, as the creator API's ``TorchTrainer(parallelism=)``
+            (``{"dp_replicate": R, "dp_shard": S, "tp": T}``; fsdp backend). Call this
+            before :func:`prepare_data_loader`, which then splits the data over the
+            ``R * S`` data-parallel ranks.
+        tp_plan: ``{module name pattern: style}`` for a model without a built-in plan.
     """
     session = _session("prepare_model")
+    _use_parallelism(session, parallelism, tp_plan)
     return _setup(session, Components(models=[model], optimizers=[]), move_to_device).model
 
 
 def prepare(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, data_loader: Any = None
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    data_loader: Any = None,
+    parallelism: dict[str, int] | None = None,
+    tp_plan: dict[str, Any] | None = None,
 ) -> tuple[Any, Any]:
     """Prepare a model and its optimizer for the backend; returns ``(model, optimizer)``.
 
@@ -67,8 +111,11 @@ def prepare(
         optimizer: its optimizer.
         data_loader: the prepared training loader, for backends that size their
             batches from it (DeepSpeed's ``train_micro_batch_size_per_gpu``).
+        parallelism: a device mesh (see :func:`prepare_model`).
+        tp_plan: a tensor-parallel plan (see :func:`prepare_model`).
     """
     session = _session("prepare")
+    _use_parallelism(session, parallelism, tp_plan)
     components = _setup(
         session, Components(models=[model], optimizers=[optimizer], train_loader=data_loader)
     )
@@ -106,6 +153,7 @@ def prepare_data_loader(
     session = _session("prepare_data_loader")
     if add_dist_sampler:
         replicas, rank = session.strategy.sample_distribution(session.worker_context)
+        session.loader_split = (replicas, rank)
         if replicas > 1:
             data_loader = add_distributed_sampler(data_loader, replicas, rank, training=True)
     device = session.worker_context.device

@@ -35,6 +35,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from polytrain.backends.core.parallelism import Parallelism
 from polytrain.backends.registry import get_spec, resolve_backend_name
 from polytrain.compat.omegaconf_values import describe, is_omegaconf, plain_config
 from polytrain.errors import ConfigError, ConfigTypeError
@@ -106,6 +107,9 @@ class RunConfig(StepFields):
         scaling: :class:`~polytrain.ScalingConfig` fields.
         failure: :class:`~polytrain.FailureConfig` fields.
         checkpoint: :class:`~polytrain.CheckpointConfig` fields.
+        parallelism: the device mesh, ``{dp_replicate: R, dp_shard: S, tp: T}`` (TorchTrainer's
+            ``parallelism=``, see docs/parallelism.md).
+        tp_plan: ``{module name pattern: style name}``, TorchTrainer's ``tp_plan=``.
         loggers: experiment trackers by name (``[tensorboard, csv]`` or ``"mlflow,csv"``),
             see :mod:`polytrain.loggers`.
         peft_config: TorchTrainer's ``peft_config=`` as a dict with its ``peft_type``
@@ -139,6 +143,8 @@ class RunConfig(StepFields):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     loggers: list[str] | str | None = None
     peft_config: dict[str, Any] | None = None
+    parallelism: dict[str, int] | None = None
+    tp_plan: dict[str, str] | None = None
     torch: FrameworkSection | None = None
     tensorflow: FrameworkSection | None = None
 
@@ -160,6 +166,12 @@ class RunConfig(StepFields):
     def _known_backend(cls, value: str | None) -> str | None:
         if value is not None:
             resolve_backend_name(value)  # UnknownBackendError lists every valid name
+        return value
+
+    @field_validator("parallelism")
+    @classmethod
+    def _mesh_sizes(cls, value: dict[str, int] | None) -> dict[str, int] | None:
+        Parallelism.from_value(value)  # unknown keys, sizes < 1 other than -1
         return value
 
     @field_validator("loggers")
@@ -287,6 +299,8 @@ class RunConfig(StepFields):
             "scheduler_step_freq": self.scheduler_step_freq,
             "loggers": self.loggers,
             "peft_config": self.peft_config,
+            "parallelism": self.parallelism,
+            "tp_plan": self.tp_plan,
         }
         params = inspect.signature(trainer_cls).parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

@@ -92,6 +92,16 @@ class TorchTrainer(BaseTrainer):
         compile: ``torch.compile`` the model on every worker after the backend wrapped it
             (ddp, fsdp version 2, horovod, fairscale sddp/oss, deepspeed, local mode; fsdp
             version 1 and fairscale mode "fsdp" refuse it at construction).
+        parallelism: the device mesh, ``{"dp_replicate": R, "dp_shard": S, "tp": T}``
+            (``R * S * T == num_workers``; -1: the rest): HSDP (R replicas of S-way
+            sharding, replicas across nodes) and tensor parallelism (T workers of a node
+            split each block) on the fsdp backend; tp as AutoTP and dp_replicate as hpZ on
+            deepspeed where it supports them; other backends refuse all but plain data
+            parallelism. ``config["batch_size"]`` is split over the ``R * S`` data-parallel
+            workers. See docs/parallelism.md.
+        tp_plan: ``{module name pattern: style}`` for a model without a built-in
+            tensor-parallel plan (HF Llama-style and GPT-2 have one); styles are torch
+            ``ParallelStyle`` instances or names ("colwise", "rowwise", ...).
         use_tqdm: show rank 0's progress as a bar on the driver.
         scheduler_step_freq: "batch", "epoch" or "manual" (your operator steps it).
         add_dist_sampler: give the loaders a distributed sampler.
@@ -151,6 +161,8 @@ class TorchTrainer(BaseTrainer):
         activation_checkpointing: bool | list[Any] = False,
         compile: bool = False,
         peft_config: Any = None,
+        parallelism: dict[str, int] | None = None,
+        tp_plan: dict[str, Any] | None = None,
     ) -> None:
         step = (max_grad_norm, gradient_accumulation_steps, precision, use_fp16)
         self.step = step_options(*step, activation_checkpointing, compile)
@@ -173,12 +185,20 @@ class TorchTrainer(BaseTrainer):
             init_hook=init_hook,
             loggers=loggers,
         )
-        self.backend.validate_step_options(self.step)  # compile=True too
-        # Validates the global batch against the worker count (and warns on a remainder).
-        self.worker_config = self._per_worker_config(self.config, self.scaling.num_workers)
+        self.worker_config = self._configure_backend(parallelism, tp_plan)
         self.scheduler_step_freq, self.add_dist_sampler = scheduler_step_freq, add_dist_sampler
         self.check_finite_loss = check_finite_loss
         self._start()
+
+    def _configure_backend(self, parallelism: Any, tp_plan: Any) -> dict[str, Any]:
+        """Check the step options and the mesh with the backend; the per-worker config."""
+        self.backend.validate_step_options(self.step)  # compile=True too
+        workers = self.scaling.num_workers
+        self.backend.configure_parallelism(
+            parallelism, tp_plan, num_workers=workers, min_workers=self.scaling.min_workers
+        )
+        # Validates the global batch against the data-parallel workers (TP peers share one).
+        return self._per_worker_config(self.config, self.backend.data_parallel_size(workers))
 
     @staticmethod
     def _per_worker_config(
@@ -214,7 +234,9 @@ class TorchTrainer(BaseTrainer):
             creators=self.creators,
             operator_cls=self.operator_cls,
             backend=self.backend,
-            config=self._per_worker_config(self.config, len(group), warn=False),
+            config=self._per_worker_config(
+                self.config, self.backend.data_parallel_size(len(group)), warn=False
+            ),
             context=self._context_template(),
             scheduler_step_freq=self.scheduler_step_freq,
             add_dist_sampler=self.add_dist_sampler,

@@ -67,7 +67,7 @@ def setup_worker(setup: WorkerSetup, rank_info: Any, device_index: int) -> int:
     with strategy.worker_scope(ctx):
         components = _create_components(setup.creators, setup.config, ctx, strategy)
         components = strategy.setup(components, ctx)
-        if ctx.step.compile:
+        if ctx.step.compile and not getattr(strategy, "compiles_in_prepare", False):
             _compile(components)
         if setup.add_dist_sampler:
             _add_samplers(components, *strategy.sample_distribution(ctx))
@@ -100,8 +100,9 @@ def _create_components(
     for model in models:
         adapters.check_quantized(model, ctx.device.type)  # QLoRA: refused on CPU workers
     train_loader, val_loader = creators.create_data(config)
-    for model in models:
-        # Before the backend wraps: fully_shard / DeepSpeed then wrap checkpointed blocks.
+    # Before the backend wraps: fully_shard / DeepSpeed then wrap checkpointed blocks. A
+    # mesh strategy applies it itself, after its tensor-parallel plan (torchtitan's order).
+    for model in () if getattr(strategy, "applies_activation_checkpointing", False) else models:
         apply_activation_checkpointing(model, ctx.step.activation_checkpointing)
     # Frozen parameters (a LoRA base) stay out of the optimizers, before schedulers bind them.
     optimizers = frozen.trainable_optimizers(creators.create_optimizers(models, config), models)
@@ -235,6 +236,19 @@ class TrainCall:
     call_id: int | None = None
 
 
+def _count_once(stats: dict[str, Any], operator: TrainingOperator) -> None:
+    """Samples several ranks compute on together (a tensor-parallel group) count once.
+
+    The group's first rank reports them; the others report none, so the driver's sums
+    (``num_samples``, ``num_tokens``) are the data's and its sample-weighted means skip them.
+    """
+    counts = getattr(operator.strategy, "counts_samples", None)
+    if callable(counts) and not counts(operator.context):
+        for key in ("num_samples", "num_tokens"):
+            if key in stats:
+                stats[key] = 0
+
+
 def _seek(operator: TrainingOperator, cursor: DataCursor, call: TrainCall) -> None:
     """Move the cursor to the call's position; restore a loaded checkpoint's random states.
 
@@ -299,6 +313,7 @@ def train_epoch(call: TrainCall) -> dict[str, Any]:
     if done:
         cursor.reset()
     stats.setdefault("epoch", epoch)
+    _count_once(stats, operator)
     stats["peak_memory_mb"] = peak_memory_mb(operator.device)
     stats["_cursor"] = {"epoch": epoch, "position": cursor.position, "epoch_done": done}
     if call.profile:
@@ -360,6 +375,7 @@ def validate(
     start = time.perf_counter()
     with operator.strategy.worker_scope(operator.context):
         stats = operator.validate(operator.val_loader, {**(info or {}), "num_steps": num_steps})
+    _count_once(stats, operator)
     if profile:
         stats["profile"] = operator.timer.report(time.perf_counter() - start)
     operator.timer = PhaseTimer()

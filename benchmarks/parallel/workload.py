@@ -1,0 +1,160 @@
+"""The mesh-parallel benchmark's workload (issue 42), shared by the native script and the polytrain driver.
+
+Both runners build the same HF ``LlamaForCausalLM`` from a config (seeded, nothing
+downloaded), the same generated token data, AdamW, and run the same step:
+``model(input_ids, labels).loss``, backward, step, zero_grad. Each data-parallel
+rank trains one sequence per step (TP peers share theirs). Sizes:
+
+* ``"350m"``: 24 layers, d=1024, 16 heads, MLP 2560, vocab 32000 (355.0M parameters),
+  sequence 32 (short: 4 processes share 2 cores here): the memory and speed figures.
+* ``"tiny"``: 2 layers, d=64, vocab 256, sequence 32: the ``--quick`` smoke run.
+
+The held bytes of a rank are counted on its real tensors (:func:`held_bytes`):
+the local shards of the parameters, their gradients and AdamW's two state
+tensors, against :func:`formula_bytes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import resource
+from typing import Any
+
+SEED = 0
+LR = 1e-4
+NUM_WORKERS = 4
+
+SIZES: dict[str, dict[str, int]] = {
+    "350m": {"vocab": 32000, "hidden": 1024, "mlp": 2560, "layers": 24, "heads": 16, "seq": 32},
+    "tiny": {"vocab": 256, "hidden": 64, "mlp": 128, "layers": 2, "heads": 4, "seq": 32},
+}
+
+#: The layouts measured on 4 workers, as ``parallelism=`` takes them.
+LAYOUTS: dict[str, dict[str, int]] = {
+    "fsdp4": {"dp_replicate": 1, "dp_shard": 4, "tp": 1},
+    "hsdp2x2": {"dp_replicate": 2, "dp_shard": 2, "tp": 1},
+    "tp2xfsdp2": {"dp_replicate": 1, "dp_shard": 2, "tp": 2},
+}
+
+
+@dataclasses.dataclass
+class Spec:
+    """One run: the model size, the layout and how many steps (as JSON between processes)."""
+
+    size: str = "350m"
+    layout: str = "fsdp4"
+    steps: int = 3
+    warmup: int = 1
+
+    def to_json(self) -> str:
+        """The spec as a JSON string."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Spec:
+        """Parse :meth:`to_json`'s output."""
+        return cls(**json.loads(text))
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """The layout's sizes."""
+        return LAYOUTS[self.layout]
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that read different data."""
+        return self.mesh["dp_replicate"] * self.mesh["dp_shard"]
+
+
+def build_model(size: str) -> Any:
+    """The seeded Llama-style model of ``size``."""
+    import torch
+    import transformers
+
+    shape = SIZES[size]
+    torch.manual_seed(SEED)
+    config = transformers.LlamaConfig(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["mlp"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["heads"],
+        max_position_embeddings=max(256, shape["seq"]),
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def num_params(size: str) -> int:
+    """P: the model's parameter count (untied embedding and LM head)."""
+    s = SIZES[size]
+    d, m = s["hidden"], s["mlp"]
+    block = 4 * d * d + 3 * d * m + 2 * d
+    return 2 * s["vocab"] * d + s["layers"] * block + d
+
+
+def token_ids(size: str, sequences: int) -> Any:
+    """``sequences`` seeded random token sequences of the size's length."""
+    import torch
+
+    g = torch.Generator().manual_seed(SEED + 1)
+    return torch.randint(0, SIZES[size]["vocab"], (sequences, SIZES[size]["seq"]), generator=g)
+
+
+def formula_bytes(size: str, layout: str) -> dict[str, float]:
+    """What one rank holds by the formulas: P / (dp_shard * tp) of each fp32 tensor kind.
+
+    HSDP replicates the shards over ``dp_replicate``; TP splits every matrix over
+    ``tp`` (the norms, 0.01% of P, are whole on every TP rank and left out).
+    """
+    mesh = LAYOUTS[layout]
+    share = num_params(size) / (mesh["dp_shard"] * mesh["tp"])
+    return {"params": 4 * share, "grads": 4 * share, "optimizer": 8 * share}
+
+
+def held_bytes(model: Any, optimizer: Any) -> dict[str, int]:
+    """The bytes this rank holds: local shards of parameters, gradients, optimizer state."""
+    import torch
+
+    def local(t: Any) -> Any:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = list(model.parameters())
+    counted = {
+        "params": sum(local(p).numel() * local(p).element_size() for p in params),
+        "grads": sum(
+            local(p.grad).numel() * local(p.grad).element_size()
+            for p in params
+            if p.grad is not None
+        ),
+        "optimizer": 0,
+    }
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value) and value.dim() > 0:
+                counted["optimizer"] += local(value).numel() * local(value).element_size()
+    return counted
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (MiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def median(values: list[float]) -> float:
+    """The median (the middle one of an odd count)."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def gib(value: float) -> float:
+    """Bytes as GiB, rounded to 3 places."""
+    return round(value / 2**30, 3)
+
+
+def ratio(a: float, b: float) -> float:
+    """``a / b`` rounded (nan when b is 0)."""
+    return round(a / b, 3) if b else math.nan
