@@ -214,3 +214,30 @@ def test_transformers_from_pretrained_in_a_creator_works_with_the_defaults(
         trainer.shutdown()
     assert weights.keys() == expected.keys()
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
+
+
+def test_pretrained_weights_land_in_a_tensor_parallel_mesh(
+    ray_start_4_cpus, no_leftover_actors, checkpoints
+):
+    """TP 2 on fsdp: GPT-2's c_attn is split by heads (interleaved q/k/v), no row range."""
+    path = checkpoints["gpt2"]
+    expected = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
+    trainer = TorchTrainer(
+        model_creator=CountingPretrained(path),
+        data_creator=data_creator,
+        optimizer_creator=adam_creator,
+        config={"batch_size": BATCH},
+        num_workers=2,
+        backend="fsdp",
+        parallelism={"tp": 2},
+        failure_config={"max_retries": 0},
+    )
+    try:
+        weights = trainer.state_dict()["models"][0]
+        loss = trainer.train(num_steps=1)["loss"]
+    finally:
+        trainer.shutdown()
+    assert weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
+    assert torch.isfinite(torch.tensor(loss))
