@@ -38,13 +38,21 @@ class ReportFeed:
         self.seen = 0
 
     def poll(self) -> None:
-        """Pass the entries not seen yet to every sink (nothing to fetch without sinks)."""
+        """Pass the entries not seen yet to every sink (nothing to fetch without sinks).
+
+        Sinks with a ``poll()`` of their own (the validations) are polled too, new
+        entries or not.
+        """
         if not self.sinks:
             return
         for entry in self.fetch(self.seen):
             self.seen += 1
             for sink in self.sinks:
                 sink(entry)
+        for sink in self.sinks:
+            poll = getattr(sink, "poll", None)
+            if poll is not None:
+                poll()
 
 
 class TrackerSink:

@@ -124,7 +124,7 @@ class RankZeroBoard:
         return self.board.entries_since(count) if self.board is not None else []
 
     def report(
-        self, index: int, rank: int, metrics: Any, has_checkpoint: bool
+        self, index: int, rank: int, metrics: Any, has_checkpoint: bool, *extra: Any
     ) -> tuple[None, None]:
         """Worker: every rank's report of step ``index`` reaches rank 0's board together.
 
@@ -136,7 +136,8 @@ class RankZeroBoard:
             SessionMisuseError: the ranks are at different reports (some rank called
                 ``report()`` more or fewer times).
         """
-        reports = self.channel.all_gather((index, rank, metrics, has_checkpoint))
+        # ``extra``: the checkpoint's folder name, validation request and class (ReportBoard.report).
+        reports = self.channel.all_gather((index, rank, metrics, has_checkpoint, *extra))
         indices = [r[0] for r in reports]
         if len(set(indices)) > 1:
             raise SessionMisuseError(
@@ -150,6 +151,19 @@ class RankZeroBoard:
             if self.listener is not None:
                 self.listener()
         return None, None
+
+    def collective(self, seq: int, rank: int, payload: Any) -> tuple[bool, Any]:
+        """Worker: ``polytrain.train.collective`` over the gloo channel; ``(True, rank 0's payload)``."""
+        return True, self.channel.all_gather(payload)[0]
+
+    def reported_checkpoints(self, upto: int, validated: bool) -> list[tuple] | None:
+        """Worker: rank 0's kept checkpoints, on every rank (a collective, as the reports are)."""
+        return self._on_rank0("reported_checkpoints", upto, validated)
+
+    def set_return_value(self, value: Any) -> None:
+        """Worker (rank 0): what the loop returned."""
+        if self.board is not None:
+            self.board.set_return_value(value)
 
 
 def _torch_backend(trainer: Any, world: TorchrunWorld) -> Backend:
@@ -292,11 +306,13 @@ def _run(
             run_url=trainer.run_url,
             experiment_name=trainer.name,
             trial_name=trainer.trial_name,
+            options=trainer.extras.worker_options(trainer),
         )
         shards = trainer.split_datasets(1)[0] if trainer.datasets else {}
         worker_entry.setup_session(spec, world.rank_info(), device, shards)
         worker_entry.run_loop(start, latest)  # no drains without Ray: it never stops early
         view.feed.poll()
+        view.extras.finish()  # validations still running (rank 0)
         return view._result()
     finally:
         if trackers is not None:

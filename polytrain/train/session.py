@@ -1,4 +1,4 @@
-"""Inside the loop: ``report``, ``get_checkpoint``, ``get_context``, ``get_dataset_shard``, ``get_preemption_info``.
+"""Inside the loop: ``report``, ``get_checkpoint``, ``get_context``, ``get_dataset_shard``, ``get_preemption_info``, ``get_all_reported_checkpoints``.
 
 A worker running ``train_loop_per_worker`` holds one :class:`Session` (in its
 ``WORKER_STATE``) while the loop runs; outside a loop these functions raise,
@@ -8,16 +8,25 @@ naming what to do.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from polytrain.backends.core.context import WorkerContext
 from polytrain.checkpoint import layout
-from polytrain.checkpoint.storage import Storage
 from polytrain.errors import ConfigTypeError, PolytrainError
 from polytrain.launchers.worker import WORKER_STATE, report_progress
-from polytrain.train.checkpoint import Checkpoint, upload
+from polytrain.train.checkpoint import Checkpoint, checkpoint_of, kind_of, pyarrow_filesystem
+from polytrain.train.errors import DeprecatedOptionError
 from polytrain.train.preemption import LoopPreempted, PreemptionInfo
+from polytrain.train.reporting import (
+    CheckpointConsistencyMode,
+    CheckpointUploadMode,
+    ReportedCheckpoint,
+    ReportedCheckpointStatus,
+)
+from polytrain.train.uploads import Uploader, check_dir_name, check_mode
+from polytrain.train.validation import check_request, spec_for_board
 
 _KEY = "polytrain_train_session"
 
@@ -64,12 +73,64 @@ class TrainContext:
         return self.experiment_name
 
     def get_trial_name(self) -> str | None:
-        """The Tune trial's name, or None outside Tune."""
+        """The Tune trial's name, or None outside Tune (Ray Train 2.x refuses the call)."""
         return self.trial_name
 
-    def get_storage(self) -> str:
-        """The run's directory (local path or URL)."""
-        return self.storage_path
+    def get_storage(self) -> RunStorage:
+        """The run's directory (local path or URL): a ``str`` with Ray Train's ``StorageContext`` fields."""
+        return RunStorage(self.storage_path, self.experiment_name)
+
+    def get_metadata(self) -> dict[str, Any]:
+        """Removed in Ray Train 2.x; raises :class:`~polytrain.train.errors.DeprecatedOptionError`."""
+        raise DeprecatedOptionError(
+            "TrainContext.get_metadata() is removed (as in Ray Train 2.x): pass what the loop "
+            "needs in train_loop_config."
+        )
+
+    def get_trial_id(self) -> str:
+        """Ray Tune's; raises :class:`~polytrain.train.errors.DeprecatedOptionError` (use ``ray.tune.get_context()``)."""
+        raise DeprecatedOptionError(_TUNE_ONLY.format("get_trial_id"))
+
+    def get_trial_resources(self) -> Any:
+        """Ray Tune's; raises :class:`~polytrain.train.errors.DeprecatedOptionError` (use ``ray.tune.get_context()``)."""
+        raise DeprecatedOptionError(_TUNE_ONLY.format("get_trial_resources"))
+
+    def get_trial_dir(self) -> str:
+        """Ray Tune's; raises :class:`~polytrain.train.errors.DeprecatedOptionError` (use ``get_storage()``)."""
+        raise DeprecatedOptionError(_TUNE_ONLY.format("get_trial_dir"))
+
+
+_TUNE_ONLY = (
+    "TrainContext.{}() is a Ray Tune call, removed from Ray Train 2.x: inside a Tune trial use "
+    "ray.tune.get_context(); the run's directory is get_context().get_storage()."
+)
+
+
+class RunStorage(str):
+    """The run's directory as a ``str``, with Ray Train's ``StorageContext`` attribute names.
+
+    Attributes:
+        experiment_fs_path: the run's directory (the string itself).
+        storage_path: the directory runs are stored in.
+        experiment_dir_name: the run's name.
+        storage_filesystem: its ``pyarrow.fs.FileSystem``.
+    """
+
+    def __new__(cls, path: str, name: str) -> RunStorage:  # noqa: D102
+        value = super().__new__(cls, path)
+        value.experiment_fs_path = path
+        value.storage_path = path.rstrip("/").rsplit("/", 1)[0]
+        value.experiment_dir_name = name
+        return value
+
+    @property
+    def storage_filesystem(self) -> Any:
+        """The ``pyarrow.fs.FileSystem`` of the run's directory."""
+        return pyarrow_filesystem(self.experiment_fs_path)
+
+    def build_checkpoint_path_from_name(self, name: str) -> str:
+        """The location of the run's checkpoint directory ``name``."""
+        return f"{self.experiment_fs_path.rstrip('/')}/{name}"
 
 
 @dataclass
@@ -89,6 +150,9 @@ class Session:
     components: Any = None  # what prepare() wrapped, for backward / step / no_sync
     preemption: PreemptionInfo | None = None  # the drain the last report() brought back
     stopped_at: int | None = None  # the report a drain ended the loop at (it must stay ended)
+    options: dict[str, Any] = field(default_factory=dict)  # the trainer's Ray Train options
+    collective_seq: int = 0  # the next collective's number (polytrain.train.collective)
+    uploader: Uploader | None = None  # this attempt's checkpoint uploads, in report order
 
 
 def start(session: Session) -> None:
@@ -123,62 +187,209 @@ def _check_metrics(metrics: Any) -> dict[str, Any]:
             f"report(metrics) takes a dict of metric names (str) to values; got "
             f"{type(metrics).__name__}: {metrics!r}."
         )
-    out = {}
-    for key, value in metrics.items():
-        if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
-            value = value.item()  # torch / numpy scalars: plain numbers for the dataframe
-        out[key] = value
-    return out
+    return {key: _plain(key, value) for key, value in metrics.items()}
 
 
-def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None) -> None:
-    """Report this step's metrics, and optionally a checkpoint, from every worker.
+def _plain(key: str, value: Any) -> Any:
+    """Scalars of torch / numpy as numbers; a larger tensor is refused (as Ray Train does)."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        return value.item()  # torch / numpy scalars: plain numbers for the dataframe
+    if type(value).__module__.startswith("torch") and hasattr(value, "shape"):
+        raise ConfigTypeError(
+            f"report(metrics): {key!r} is a torch tensor of shape {tuple(value.shape)}; metrics "
+            f"must be plain values. Convert it (.item(), .tolist()) or save tensors in the "
+            f"checkpoint's files."
+        )
+    if isinstance(value, dict):
+        return {k: _plain(f"{key}/{k}", v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(key, v) for v in value)
+    return value
 
-    Every worker must call ``report`` the same number of times (as in Ray Train).
-    Rank 0's metrics are kept (``Result.metrics``, ``metrics_dataframe``). Each rank
-    that passes a checkpoint copies its directory's files into the run's
-    ``checkpoint_NNNNNN`` directory (ranks may add their own files, e.g. shards);
-    the directory is committed once every rank has reported the step.
 
-    While a node of the group drains (the report answers with it: see
-    :func:`get_preemption_info`), the first report with a checkpoint ends the loop on
-    every rank once all have reported it: it does not return, and the run continues
-    off the node from that checkpoint.
+def report(
+    metrics: dict[str, Any],
+    checkpoint: Checkpoint | None = None,
+    checkpoint_dir_name: str | None = None,
+    checkpoint_upload_mode: CheckpointUploadMode = CheckpointUploadMode.SYNC,
+    delete_local_checkpoint_after_upload: bool | None = None,
+    checkpoint_upload_fn: Callable[[Checkpoint, str], Checkpoint] | None = None,
+    validation: Any = False,
+) -> None:
+    """Report this step's metrics, and optionally a checkpoint, from every worker (Ray Train's).
+
+    Every worker must call ``report`` the same number of times. Rank 0's metrics are
+    kept (``Result.metrics``); callbacks get every rank's. Each rank that passes a
+    checkpoint copies its files into the step's directory of the run (ranks may add
+    their own files, e.g. shards), committed once every rank has reported the step.
+    While a node of the group drains (see :func:`get_preemption_info`), the first
+    report with a checkpoint ends the loop on every rank: it does not return, and
+    the run continues off the node from that checkpoint.
 
     Args:
-        metrics: metric names to values (numbers, or anything JSON-able).
+        metrics: metric names to values (numbers or JSON-able; no tensors but scalars).
         checkpoint: a :class:`Checkpoint` from :meth:`Checkpoint.from_directory`.
+        checkpoint_dir_name: the checkpoint's folder in the run (the same on every rank
+            that passes a checkpoint); None: ``checkpoint_NNNNNN``, the report's number.
+        checkpoint_upload_mode: ``SYNC``, ``ASYNC`` (a background thread) or
+            ``NO_UPLOAD`` (already in the run's directory):
+            :class:`~polytrain.train.CheckpointUploadMode`.
+        delete_local_checkpoint_after_upload: delete the source after the copy (None:
+            for ``ASYNC`` only).
+        checkpoint_upload_fn: ``fn(checkpoint, dir_name) -> Checkpoint`` doing the copy.
+        validation: True or a :class:`~polytrain.train.ValidationTaskConfig`: validate
+            the checkpoint with the trainer's ``validation_config`` once committed.
 
     Raises:
-        SessionMisuseError: called outside a training loop.
-        ConfigTypeError: metrics not a dict, or checkpoint not a :class:`Checkpoint`.
+        SessionMisuseError: outside a loop. ConfigError: a wrong argument (it says which).
     """
     session = current("report")
     if session.stopped_at is not None:  # the loop swallowed the stop: it is still over
         raise LoopPreempted(session.stopped_at)
     metrics = _check_metrics(metrics)
+    upload = _plan(session, checkpoint, checkpoint_dir_name, checkpoint_upload_mode)
+    _check_accelerator()
+    upload.delete_after = _delete_after(upload.mode, delete_local_checkpoint_after_upload)
+    upload.fn = checkpoint_upload_fn
+    spec = check_request(validation, checkpoint is not None, session.options.get("has_validation"))
+    if checkpoint is not None:
+        _uploader(session).check_source(checkpoint, upload.mode, upload.delete_after)
+    index = session.next_index
+    session.next_index += 1
+    upload.name = upload.name or layout.checkpoint_name(index)
+    background = upload.mode == CheckpointUploadMode.ASYNC and checkpoint is not None
+    answer = _uploader(session).submit(
+        lambda: _deliver(session, index, metrics, upload, spec), background
+    )
+    if background:
+        return  # a drain it brings back stops the loop at a later report
+    info, done = answer
+    if info is not None and _committed(session, index, done):
+        session.stopped_at = index
+        raise LoopPreempted(index)  # every rank stops here; the driver moves the group
+
+
+@dataclass
+class _Upload:
+    """How one report's checkpoint is stored."""
+
+    checkpoint: Checkpoint | None
+    name: str | None
+    mode: CheckpointUploadMode
+    delete_after: bool
+    fn: Callable[[Checkpoint, str], Checkpoint] | None = None
+
+
+def _plan(session: Session, checkpoint: Any, dir_name: Any, mode: Any) -> _Upload:
+    """``report``'s checkpoint arguments, checked: how to store it."""
     if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
         raise ConfigTypeError(
             f"report(checkpoint=...) takes a polytrain.train.Checkpoint (e.g. "
             f"Checkpoint.from_directory(path)); got {type(checkpoint).__name__}: {checkpoint!r}."
         )
-    _check_accelerator()
-    index = session.next_index
-    session.next_index += 1
-    if checkpoint is not None:
-        upload(checkpoint, Storage(session.run_url).child(layout.checkpoint_name(index)))
-    rank = session.context.world_rank
+    return _Upload(checkpoint, check_dir_name(dir_name), check_mode(mode), False)
+
+
+def _delete_after(mode: CheckpointUploadMode, asked: bool | None) -> bool:
+    return mode.default_delete_local_checkpoint_after_upload() if asked is None else bool(asked)
+
+
+def _deliver(
+    session: Session, index: int, metrics: dict[str, Any], upload: _Upload, spec: Any
+) -> tuple[PreemptionInfo | None, bool | None]:
+    """Store the checkpoint, then tell the board (in the caller, or the upload thread)."""
+    name = None
+    if upload.checkpoint is not None:
+        name = session.uploader.store(
+            upload.checkpoint, upload.name, index, upload.mode, upload.delete_after, upload.fn
+        )
     # Returns when the board has the report: a commit never waits on us.
-    info, done = _ask_board(
-        session, "report", index, rank, metrics if rank == 0 else None, checkpoint is not None
+    answer = _ask_board(
+        session,
+        "report",
+        index,
+        session.context.world_rank,
+        metrics,
+        upload.checkpoint is not None,
+        name,
+        spec_for_board(spec),
+        kind_of(upload.checkpoint) if upload.checkpoint is not None else None,
     )
     # The hang watchdog and progress monitors see the loop move (metrics stay out of it:
     # a metric named like a progress field would clash).
     report_progress(index + 1, phase="train", reports=index + 1)
-    session.preemption = info
-    if info is not None and _committed(session, index, done):
-        session.stopped_at = index
-        raise LoopPreempted(index)  # every rank stops here; the driver moves the group
+    session.preemption = answer[0]
+    return answer
+
+
+def _uploader(session: Session) -> Uploader:
+    if session.uploader is None:
+        session.uploader = Uploader(session.run_url)
+    return session.uploader
+
+
+def flush(session: Session) -> None:
+    """Worker: wait for this worker's background reports (raising an upload's error)."""
+    if session.uploader is not None:
+        session.uploader.flush()
+
+
+def collective(session: Session, payload: Any) -> Any:
+    """Worker: meet every rank at the next collective; returns rank 0's ``payload``."""
+    flush(session)
+    seq = session.collective_seq
+    session.collective_seq += 1
+    rank = session.context.world_rank
+    ready, value = _ask_board(session, "collective", seq, rank, payload)
+    wait = _STEP_WAIT_S[0]
+    while not ready:
+        time.sleep(wait)
+        wait = min(2 * wait, _STEP_WAIT_S[1])
+        ready, value = _ask_board(session, "collective_result", seq, rank)
+    return value
+
+
+def get_all_reported_checkpoints(
+    consistency_mode: CheckpointConsistencyMode = CheckpointConsistencyMode.VALIDATED,
+    timeout_s: float | None = None,
+) -> list[ReportedCheckpoint]:
+    """Every checkpoint the run keeps so far, with its metrics and status (Ray Train's).
+
+    Waits until every rank has made the reports this worker made so far (and, with
+    ``VALIDATED``, until their validations have finished). The list is in Ray Train's
+    order: by ``checkpoint_score_attribute``, worst first, or by report order.
+
+    Args:
+        consistency_mode: what to wait for (:class:`~polytrain.train.CheckpointConsistencyMode`).
+        timeout_s: wait at most this long, then answer with what is there. None: no limit.
+
+    Raises:
+        SessionMisuseError: called outside a training loop.
+    """
+    session = current("get_all_reported_checkpoints")
+    if not isinstance(consistency_mode, CheckpointConsistencyMode):
+        raise ConfigTypeError(
+            f"get_all_reported_checkpoints(consistency_mode={consistency_mode!r}) must be a "
+            f"CheckpointConsistencyMode: {[m.name for m in CheckpointConsistencyMode]}."
+        )
+    flush(session)
+    validated = consistency_mode == CheckpointConsistencyMode.VALIDATED
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    wait = _STEP_WAIT_S[0]
+    upto = session.next_index - 1
+    while True:
+        found = _ask_board(session, "reported_checkpoints", upto, validated)
+        if found is not None:
+            break
+        if deadline is not None and time.monotonic() >= deadline:
+            found = _ask_board(session, "reported_checkpoints", -1, False) or []
+            break
+        time.sleep(wait)
+        wait = min(2 * wait, _STEP_WAIT_S[1])
+    return [
+        ReportedCheckpoint(checkpoint_of(url, kind), metrics, ReportedCheckpointStatus[status])
+        for url, metrics, status, kind in found
+    ]
 
 
 def _check_accelerator() -> None:
@@ -268,12 +479,15 @@ def get_context() -> TrainContext:
 def get_dataset_shard(name: str | None = None) -> Any:
     """This worker's split of the Ray Data set passed as ``datasets={name: ds}``.
 
-    Returns a ``DataIterator`` (``iter_torch_batches``, ``iter_batches``).
+    Returns a ``DataIterator`` (``iter_torch_batches``, ``iter_batches``), or None when
+    the trainer got no datasets and no name is asked for (as Ray Train).
 
     Raises:
         KeyError: no data set of that name was passed to the trainer.
     """
     shards = current("get_dataset_shard").dataset_shards
+    if name is None and not shards:
+        return None  # Ray Train's answer when the trainer got no datasets
     if name is None and len(shards) == 1:
         name = next(iter(shards))
     if name not in shards:

@@ -30,22 +30,20 @@ from polytrain.checkpoint.storage import Storage
 from polytrain.compat.deprecation import DRAIN_WORD, renamed
 from polytrain.errors import ConfigTypeError
 from polytrain.launchers.base import WorkerGroup
-from polytrain.launchers.scaling import ScalingConfig
 from polytrain.launchers.torchrun import torchrun_world
 from polytrain.runs.loop import RunLoop
 from polytrain.runs.policies.drain import DrainPolicy
-from polytrain.runs.policies.failure import FailurePolicy
 from polytrain.runs.watch.drains import DrainEvent
 from polytrain.runs.workload import DrainCheckpoint, Workload
 from polytrain.train import worker_entry
 from polytrain.train.board import ReportBoard
 from polytrain.train.checkpoint import Checkpoint
-from polytrain.train.config import DEFAULT_STORAGE_PATH, RunConfig, coerce
-from polytrain.train.feed import ReportFeed, Sink, TrackerSink, public
+from polytrain.train.config import RunConfig, ScalingConfig, coerce, coerce_scaling
+from polytrain.train.extras import RunExtras, refuse_restore
+from polytrain.train.feed import ReportFeed, Sink, TrackerSink
 from polytrain.train.local import fit_under_torchrun
 from polytrain.train.preemption import LoopStopped, PreemptionInfo
 from polytrain.train.result import Result
-from polytrain.trainer_api.options.configs import coerce_config
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +93,8 @@ class _LoopRunner(Workload):
         self.failure = failure.to_polytrain()
         self.scaling = owner.scaling_config
         self.use_fp16 = owner.use_fp16
-        self.backend = get_backend(owner.backend, owner.backend_config, framework=self.framework)
+        backend = get_backend(owner.backend, owner.backend_config, framework=self.framework)
+        self.backend = owner.extras.backend(backend)  # a custom BackendConfig's hooks
         self.backend.validate_settings(
             num_workers=self.scaling.num_workers,
             use_gpu=self.scaling.use_gpu,
@@ -105,9 +104,7 @@ class _LoopRunner(Workload):
             self,
             self.backend,
             self.scaling,
-            failure_policy=FailurePolicy(
-                self.failure.max_retries, option="FailureConfig max_failures"
-            ),
+            failure_policy=owner.extras.failure_policy(self.failure.max_retries),  # Ray's rule
             drain_policy=DrainPolicy(
                 self.failure.max_drains, "FailureConfig max_preemption_failures"
             ),
@@ -132,7 +129,7 @@ class _LoopRunner(Workload):
     def setup_workers(self, group: WorkerGroup) -> None:
         """Run loop: each worker gets the loop, its context and its dataset shards."""
         owner = self.owner
-        shards = owner.split_datasets(len(group))
+        shards = owner.split_datasets(len(group), [m.node_id for m in group.metadata])
         spec = worker_entry.LoopSpec(
             fn=owner.train_loop_per_worker,
             config=owner.train_loop_config,
@@ -143,6 +140,7 @@ class _LoopRunner(Workload):
             run_url=owner.run_url,
             experiment_name=owner.name,
             trial_name=owner.trial_name,
+            options=owner.extras.worker_options(owner),
         )
         group.get(
             [
@@ -256,6 +254,10 @@ class DataParallelTrainer:
         resume_from_checkpoint: a :class:`Checkpoint` that ``get_checkpoint()`` returns
             until the run commits its own.
         use_fp16: the backend's mixed precision (``autocast()`` and ``backward()``).
+        dataset_config: :class:`~polytrain.train.DataConfig`: which ``datasets`` are split.
+        metadata: Ray Train 1.x's; refused.
+        validation_config: :class:`~polytrain.train.ValidationConfig`: validate reported
+            checkpoints while training goes on.
     """
 
     _default_backend = "ddp"
@@ -273,6 +275,9 @@ class DataParallelTrainer:
         datasets: dict[str, Any] | None = None,
         resume_from_checkpoint: Checkpoint | None = None,
         use_fp16: bool = False,
+        dataset_config: Any = None,
+        metadata: Any = None,
+        validation_config: Any = None,
     ) -> None:
         if train_loop_config is not None and not isinstance(train_loop_config, dict):
             raise ConfigTypeError(
@@ -283,10 +288,13 @@ class DataParallelTrainer:
         self.train_loop_per_worker = train_loop_per_worker
         self.train_loop_config = dict(train_loop_config or {})
         self.backend = backend if backend is not None else self._default_backend
+        backend_config, user_backend = RunExtras.split_backend_config(backend_config)
+        self.extras = RunExtras(validation_config, dataset_config, metadata, user_backend)
         self.backend_config = backend_config
-        self.scaling_config = coerce_config(ScalingConfig, scaling_config, "scaling_config")
+        self.scaling_config = coerce_scaling(scaling_config)
         self.run_config = coerce(RunConfig, run_config, "run_config")
         self.datasets = _check_datasets(datasets)
+        self.extras.check_datasets(self.datasets)
         if resume_from_checkpoint is not None and not isinstance(
             resume_from_checkpoint, Checkpoint
         ):
@@ -298,14 +306,16 @@ class DataParallelTrainer:
         self.use_fp16 = bool(use_fp16)
         stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
         self.name = self.run_config.name or f"{type(self).__name__}_{stamp}"
-        storage_path = self.run_config.storage_path or DEFAULT_STORAGE_PATH
-        self.run_url = Storage(storage_path).child(self.name).url
+        self.run_url = Storage(self.run_config.storage_location()).child(self.name).url
         self.board: ReportBoard | None = None
         self.board_handle: Any = None
         self.feed: ReportFeed | None = None
         self.trial_name: str | None = None  # set inside a Tune trial
         self._report_sinks: list[Sink] = []
         self._runner: _LoopRunner | None = None
+
+    restore = classmethod(refuse_restore)
+    can_restore = classmethod(refuse_restore)
 
     @property
     def num_restarts(self) -> int:
@@ -365,20 +375,16 @@ class DataParallelTrainer:
         trial.takes_config = check_loop(self.train_loop_per_worker, trial.train_loop_config)
         if isinstance(scaling, dict):
             scaling = dataclasses.replace(self.scaling_config, **scaling)
-        trial.scaling_config = coerce_config(
-            ScalingConfig, scaling or self.scaling_config, "scaling_config"
-        )
+        trial.scaling_config = coerce_scaling(scaling or self.scaling_config)
         trial._report_sinks = list(self._report_sinks)
         return trial
 
     # --------------------------------------------------------------- driver
-    def split_datasets(self, num_workers: int) -> list[dict[str, Any]]:
+    def split_datasets(
+        self, num_workers: int, node_ids: list[str] | None = None
+    ) -> list[dict[str, Any]]:
         """One ``{name: DataIterator}`` per worker (a fresh split for every group)."""
-        shards: list[dict[str, Any]] = [{} for _ in range(num_workers)]
-        for name, dataset in self.datasets.items():
-            for rank, iterator in enumerate(dataset.streaming_split(num_workers, equal=True)):
-                shards[rank][name] = iterator
-        return shards
+        return self.extras.split_datasets(self.datasets, num_workers, node_ids)
 
     def attempt_args(self) -> tuple[int, str | None]:
         """The arguments of one attempt: the first step index and the checkpoint to start from."""
@@ -421,8 +427,12 @@ class DataParallelTrainer:
             run's path and every report as ``metrics_dataframe``.
 
         Raises:
-            WorkerError: the loop raised on a worker (its rank and traceback attached), or
-                workers died more often than ``FailureConfig.max_failures`` allows.
+            WorkerGroupError: the loop raised on a worker, or workers died more often than
+                ``FailureConfig.max_failures`` allows; also a
+                :class:`~polytrain.errors.WorkerError` (rank and traceback attached) and,
+                where Python allows, an instance of the worker's exception class.
+            ControllerError: the driver side failed (placement, storage, a callback).
+            PreemptionError: more drained nodes than ``max_preemption_failures``.
         """
         if self.scaling_config.local_mode and torchrun_world() is not None:
             return fit_under_torchrun(self)  # one rank of torchrun's world, no Ray
@@ -433,11 +443,15 @@ class DataParallelTrainer:
             self._runner = self._runner_cls(self)
             self._runner.run()
             self.feed.poll()  # the reports after the last poll
+            self.extras.finish()  # validations still running
             return self._result()
-        except BaseException:
+        except BaseException as error:
             with contextlib.suppress(Exception):
                 self.feed.poll()  # the reports made before the failure still count
-            raise
+            failed = self.extras.failed(error)  # Ray Train's error kinds
+            if failed is error:
+                raise
+            raise failed from error
         finally:
             if trackers is not None:
                 trackers.finish()
@@ -450,7 +464,7 @@ class DataParallelTrainer:
 
     def _make_feed(self) -> TrackerSink | None:
         """The feed of this fit's reports; its tracker sink (None without ``loggers``)."""
-        sinks = list(self._report_sinks)
+        sinks = list(self._report_sinks) + self.extras.sinks(self)
         trackers = None
         if self.run_config.loggers is not None:
             storage = Storage(self.run_url)
@@ -472,18 +486,7 @@ class DataParallelTrainer:
         return trackers
 
     def _result(self) -> Result:
-        snapshot = self._board_call("snapshot")
-        history = snapshot["history"]
-        committed = snapshot["committed"]
-        best = [(Checkpoint(url), metrics) for url, metrics in committed]
-        return Result(
-            metrics=public(history[-1]) if history else {},
-            checkpoint=best[-1][0] if best else None,
-            error=None,
-            path=self.run_url,
-            metrics_history=[public(entry) for entry in history],
-            best_checkpoints=best,
-        )
+        return self.extras.result(self, self._board_call("snapshot"))
 
 
 def _lower_first(text: str) -> str:

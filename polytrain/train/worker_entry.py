@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import logging
+import os
+import traceback
+from dataclasses import dataclass, field
 from typing import Any
 
 from polytrain.backends.core.backend import Backend
 from polytrain.backends.core.context import WorkerContext
+from polytrain.errors import worker_error_like
 from polytrain.train import session as train_session
 from polytrain.train.checkpoint import Checkpoint
 from polytrain.train.preemption import LoopPreempted, LoopStopped
@@ -26,6 +30,8 @@ class LoopSpec:
     run_url: str
     experiment_name: str
     trial_name: str | None = None
+    #: Ray Train's options the loop's functions read (:meth:`~polytrain.train.extras.RunExtras.worker_options`).
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 _SPEC = "polytrain_train_spec"
@@ -67,8 +73,12 @@ def setup_session(
             dataset_shards=shards,
             strategy=strategy,
             backend=spec.backend,
+            options=dict(spec.options),
         ),
     )
+    level = spec.options.get("log_level")
+    if level:
+        logging.getLogger("polytrain").setLevel(level)
 
 
 def _library_env(spec: LoopSpec, session: train_session.Session) -> Any:
@@ -96,16 +106,73 @@ def run_loop(start_index: int, checkpoint_url: str | None) -> LoopStopped | None
     session.components = None
     session.preemption = None  # a new group runs off the nodes that drained under the old one
     session.stopped_at = None
+    session.collective_seq = 0
+    session.uploader = None
     train_session.start(session)
     try:
-        with session.strategy.worker_scope(session.worker_context), _library_env(spec, session):
+        options = getattr(spec, "options", None) or {}
+        loop_context = options.get("train_func_context") or contextlib.nullcontext
+        with (
+            session.strategy.worker_scope(session.worker_context),
+            _library_env(spec, session),
+            _working_dir(options.get("working_dir")),
+            _env_vars(options.get("env_vars") or {}),
+            loop_context(),
+        ):
             if spec.takes_config:
-                spec.fn(dict(spec.config))
+                value = spec.fn(dict(spec.config))
             else:
-                spec.fn()
+                value = spec.fn()
+            train_session.flush(session)  # the last ASYNC reports are part of the loop
+            if session.context.world_rank == 0 and value is not None:
+                train_session._ask_board(session, "set_return_value", value)
     except LoopPreempted:
         pass  # report() ended the loop: where is in the session
+    except Exception as exc:
+        if not session.worker_context.local_mode:
+            raise  # the worker group turns it into a WorkerError with the remote traceback
+        # Local mode: the same error a worker's would be, so fit() raises the same kinds.
+        text = "".join(traceback.format_exception(exc))
+        raise worker_error_like(
+            exc, f"Worker rank 0 raised {type(exc).__name__}: {exc}\n\n{text}", 0, text
+        ) from exc
     finally:
-        train_session.end()
+        try:
+            if session.uploader is not None:
+                session.uploader.close()
+        finally:
+            for undo in session.options.pop("on_loop_end", []):
+                undo()  # what the loop's helpers changed in this process
+            train_session.end()
     # Also when the loop swallowed the stop and returned: the group moves on either way.
     return LoopStopped(session.stopped_at) if session.stopped_at is not None else None
+
+
+@contextlib.contextmanager
+def _working_dir(path: str | None) -> Any:
+    """Run the loop in the run's working directory when the trainer asks (``RAY_CHDIR_TO_TRIAL_DIR``)."""
+    if not path:
+        yield
+        return
+    os.makedirs(path, exist_ok=True)
+    previous = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
+@contextlib.contextmanager
+def _env_vars(variables: dict[str, str]) -> Any:
+    """``RunConfig(worker_runtime_env={"env_vars": ...})`` for the loop's run (restored after: local mode)."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

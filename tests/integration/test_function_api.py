@@ -184,8 +184,10 @@ def test_report_metrics_dataframe_and_score_pruning(tmp_path):
     # the best (step 1) and the latest (step 3, kept for restarts) stay
     kept = sorted(name for name in os.listdir(tmp_path / "prune") if name.startswith("checkpoint_"))
     assert kept == ["checkpoint_000001", "checkpoint_000003"]
-    assert [m["step"] for _, m in result.best_checkpoints] == [1, 3]
+    # Ray Train's best_checkpoints: the num_to_keep best; the latest is Result.checkpoint
+    assert [m["step"] for _, m in result.best_checkpoints] == [1]
     assert os.path.exists(os.path.join(result.checkpoint.path, "COMMITTED"))
+    assert result.checkpoint.path.endswith("checkpoint_000003")
     # Trackers get rank 0's reports from the driver, one record per report (step = its number).
     with open(os.path.join(result.path, "metrics.csv")) as handle:
         rows = list(csv.DictReader(handle))

@@ -166,6 +166,7 @@ class Backend:
                 f"(or 'fsdp' / 'deepspeed' on GPUs)."
             )
         return {}
+
     #: ``parallelism=`` resolved for the group (None: data parallel over every worker).
     parallelism: Parallelism | None = None
     #: ``tp_plan=`` as the backend accepted it (None: none, or a built-in plan).
