@@ -73,6 +73,14 @@ EXPECTED_BUILTINS = {
     "polytrain.runs.workload.CallStoppedForDrain": set(),  # control flow inside the run loop
     "polytrain.lightning.drain_stop.DrainStop": {SystemExit},  # Lightning's SIGTERMException
     "polytrain.loggers.base.LoggerError": {RuntimeError},
+    # Ray Train's names (polytrain.train); catching RuntimeError also catches a failed run
+    "polytrain.train.errors.TrainingFailedError": {RuntimeError},
+    "polytrain.train.errors.WorkerGroupError": {RuntimeError},
+    "polytrain.train.errors.NCCLHangError": {RuntimeError},
+    "polytrain.train.errors.ControllerError": {RuntimeError},
+    "polytrain.train.errors.PreemptionError": {RuntimeError},
+    "polytrain.train.errors.DeprecatedOptionError": {ValueError, DeprecationWarning, Warning},
+    "polytrain.hf.data.templates.TemplateError": {ValueError},
 }
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
+from polytrain.backends.core.local_mode import sharded_only
 from polytrain.backends.core.local_state import gathered_local_state
 from polytrain.backends.core.parallelism import Parallelism, mesh_ranks
 from polytrain.backends.deepspeed.config import DeepSpeedConfig
@@ -58,10 +59,9 @@ class AutoTPStrategy(DeepSpeedStrategy):
             mesh_ranks(sizes, [tuple(p) for p in places])  # raises if a node splits a group
         return super().prepare(components, ctx)
 
+    @sharded_only
     def sample_distribution(self, ctx: WorkerContext) -> tuple[int, int]:
         """Worker: ``(world // tp, rank // tp)``: DeepSpeed's data-parallel rank."""
-        if not _sharding.shards(ctx):
-            return super().sample_distribution(ctx)
         return ctx.world_size // self.tp, ctx.world_rank // self.tp
 
     def counts_samples(self, ctx: WorkerContext) -> bool:

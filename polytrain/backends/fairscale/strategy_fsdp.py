@@ -9,6 +9,7 @@ import torch
 
 from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
+from polytrain.backends.core.local_mode import sharded_only
 from polytrain.backends.core.local_state import gathered_local_state, load_whole
 from polytrain.backends.core.precision import Precision, amp_dtype, default_precision
 from polytrain.backends.core.strategy import TorchStrategy, stepped
@@ -37,10 +38,9 @@ class FairscaleFSDPStrategy(TorchStrategy):
             scaler = ShardedGradScaler()
         return default_precision(ctx, cast_forward=not _sharding.shards(ctx), scaler=scaler)
 
+    @sharded_only
     def prepare(self, components: Components, ctx: WorkerContext) -> Components:
         """Worker: wrap every trainable model in FSDP and rebuild its optimizer over the flat params."""
-        if not _sharding.shards(ctx):
-            return components
         from fairscale.nn import FullyShardedDataParallel
 
         owners = [_sharding.owner_index(o, components.models) for o in components.optimizers]
@@ -101,27 +101,26 @@ class FairscaleFSDPStrategy(TorchStrategy):
         """Worker: FSDP's ``no_sync`` (gradients accumulate locally until the next sync)."""
         return common.no_sync(components)
 
+    @sharded_only
     def full_state_dict(self, components: Components, ctx: WorkerContext) -> dict[str, Any] | None:
         """Worker (all ranks, collective): fairscale FSDP's ``state_dict()`` gathers the parameters."""
-        if not _sharding.shards(ctx):
-            return super().full_state_dict(components, ctx)
         models = [model.state_dict() for model in components.models]
         optimizers = fairscale_state.gather_fsdp_states(common.owned(components))
         return {"models": models, "optimizers": optimizers} if ctx.world_rank == 0 else None
 
+    @sharded_only
     def load_full_state_dict(
         self, components: Components, state: dict[str, Any], ctx: WorkerContext
     ) -> None:
         """Worker (every rank): load a consolidated torch-format state; each rank keeps its shard."""
-        if not _sharding.shards(ctx):
-            super().load_full_state_dict(components, state, ctx)
-            return
         fairscale_state.load_full_state(components, state, components.models, fsdp_mode=True)
 
+    @sharded_only
     def sharded_state_dict(self, components: Components, ctx: WorkerContext) -> LocalState:
         """Worker: fairscale's FSDP has no shard layout polytrain reads: the full state, gathered."""
         return gathered_local_state(self, components, ctx)
 
+    @sharded_only
     def load_sharded_state_dict(
         self, components: Components, reader: ShardReader, ctx: WorkerContext
     ) -> None:

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.ddp_signature import buffer_sync_kwargs
-from polytrain.backends.core.local_state import load_whole, replicated_local_state
+from polytrain.backends.core.local_mode import sharded_only
 from polytrain.backends.core.precision import Precision, default_precision
 from polytrain.backends.core.strategy import TorchStrategy, stepped
 from polytrain.backends.core.torch_distributed import module_device_ids
@@ -43,13 +43,12 @@ class FairscaleOSSStrategy(TorchStrategy):
             scaler = ShardedGradScaler()
         return default_precision(ctx, cast_forward=True, scaler=scaler)
 
+    @sharded_only
     def prepare(self, components: Components, ctx: WorkerContext) -> Components:
         """Worker: rebuild the optimizers as OSS and wrap the models for the configured mode.
 
         In local mode (no process group) nothing is wrapped.
         """
-        if not _sharding.shards(ctx):
-            return components
         from fairscale.optim import OSS
 
         def to_oss(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -132,6 +131,7 @@ class FairscaleOSSStrategy(TorchStrategy):
         return common.no_sync(components)
 
     # ------------------------------------------------------------------ state
+    @sharded_only
     def full_state_dict(self, components: Components, ctx: WorkerContext) -> dict[str, Any] | None:
         """Worker (all ranks, collective): the consolidated model and optimizer states.
 
@@ -139,8 +139,6 @@ class FairscaleOSSStrategy(TorchStrategy):
         state is already in torch's format (integer keys in param-group order), so
         it loads into a plain torch optimizer of the same class.
         """
-        if not _sharding.shards(ctx):
-            return super().full_state_dict(components, ctx)
         optimizers = fairscale_state.consolidate_oss_states(components.optimizers, ctx.world_rank)
         if ctx.world_rank != 0:
             return None
@@ -149,28 +147,23 @@ class FairscaleOSSStrategy(TorchStrategy):
             "optimizers": optimizers,
         }
 
+    @sharded_only
     def load_full_state_dict(
         self, components: Components, state: dict[str, Any], ctx: WorkerContext
     ) -> None:
         """Worker (every rank): load a consolidated torch-format state; each rank keeps its shard."""
-        if not _sharding.shards(ctx):
-            super().load_full_state_dict(components, state, ctx)
-            return
         fairscale_state.load_full_state(
             components, state, [self.unwrap_model(m) for m in components.models], fsdp_mode=False
         )
 
+    @sharded_only
     def sharded_state_dict(self, components: Components, ctx: WorkerContext) -> LocalState:
         """Worker: replicated models and this rank's OSS shard, as they are (no gather)."""
-        if not _sharding.shards(ctx):
-            return replicated_local_state(self, components, ctx)
         return fairscale_state.oss_local_state(self, components, ctx)
 
+    @sharded_only
     def load_sharded_state_dict(
         self, components: Components, reader: ShardReader, ctx: WorkerContext
     ) -> None:
         """Worker: whole models, and only this rank's OSS shard of each optimizer state."""
-        if not _sharding.shards(ctx):
-            load_whole(self, components, reader, ctx)
-            return
         fairscale_state.oss_load(self, components, reader)

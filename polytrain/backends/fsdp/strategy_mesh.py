@@ -32,6 +32,7 @@ from polytrain.backends.core import meta_init, pretrained_fill
 from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.blocks import apply_activation_checkpointing
 from polytrain.backends.core.context import Components, WorkerContext
+from polytrain.backends.core.local_mode import sharded_only
 from polytrain.backends.core.parallelism import (
     MESH_DIMS,
     Parallelism,
@@ -118,10 +119,9 @@ class MeshFSDPStrategy(FSDP2Strategy):
                 unit.compile()
         return super().shard(model, ctx)
 
+    @sharded_only
     def sample_distribution(self, ctx: WorkerContext) -> tuple[int, int]:
         """Worker: ``(dp_replicate * dp_shard, data-parallel rank)``: TP peers read the same data."""
-        if not _sharding.shards(ctx):
-            return super().sample_distribution(ctx)
         self.world_mesh(ctx)
         return self.parallelism.data_parallel_size, data_parallel_rank(
             self.parallelism, self._coords
@@ -139,21 +139,18 @@ class MeshFSDPStrategy(FSDP2Strategy):
         return clip_grad_norm_mesh(params, max_norm)
 
     # ------------------------------------------------------------------ state
+    @sharded_only
     def sharded_state_dict(self, components: Components, ctx: WorkerContext) -> LocalState:
         """Worker (collective): this rank's row ranges of every parameter and optimizer state."""
-        if not _sharding.shards(ctx):
-            return super().sharded_state_dict(components, ctx)
         _reshard(components)
         world = dict(zip(MESH_DIMS, self._coords, strict=True))
         return state_mesh.mesh_local_state(self.states.owned(components), components, ctx, world)
 
+    @sharded_only
     def load_sharded_state_dict(
         self, components: Components, reader: ShardReader, ctx: WorkerContext
     ) -> None:
         """Worker (collective): read this rank's row ranges of a checkpoint from any layout."""
-        if not _sharding.shards(ctx):
-            super().load_sharded_state_dict(components, reader, ctx)
-            return
         _reshard(components)
         state_mesh.mesh_load(self.states.owned(components), components, reader)
 

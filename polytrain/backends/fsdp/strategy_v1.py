@@ -10,7 +10,7 @@ import torch
 from polytrain.backends.core import meta_init
 from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
-from polytrain.backends.core.local_state import load_whole, replicated_local_state
+from polytrain.backends.core.local_mode import sharded_only
 from polytrain.backends.core.precision import Precision, amp_dtype, default_precision
 from polytrain.backends.core.strategy import stepped
 from polytrain.backends.fsdp import state_v1 as fsdp_state
@@ -56,13 +56,12 @@ class FSDP1Strategy(ShardedTorchStrategy):
             scaler = ShardedGradScaler()
         return default_precision(ctx, cast_forward=not _sharding.shards(ctx), scaler=scaler)
 
+    @sharded_only
     def prepare(self, components: Components, ctx: WorkerContext) -> Components:
         """Worker: wrap every trainable model in FSDP; rebuild the optimizers over its shards.
 
         In local mode (no process group) nothing is wrapped.
         """
-        if not _sharding.shards(ctx):
-            return components
         return self.states.prepare(components, ctx)
 
     def wrap(self, model: torch.nn.Module, ctx: WorkerContext) -> torch.nn.Module:
@@ -144,6 +143,7 @@ class FSDP1Strategy(ShardedTorchStrategy):
         """Worker: the user's module (its submodules may still hold nested FSDP units)."""
         return getattr(model, "module", model)
 
+    @sharded_only
     def full_state_dict(self, components: Components, ctx: WorkerContext) -> dict[str, Any] | None:
         """Worker (all ranks, collective): full model and optimizer states, in torch's format.
 
@@ -151,35 +151,28 @@ class FSDP1Strategy(ShardedTorchStrategy):
         on CPU every rank materialises them briefly (torch's CPU offload path crashes
         when the tensors already are on the CPU).
         """
-        if not _sharding.shards(ctx):
-            return super().full_state_dict(components, ctx)
         return self.states.full_state_dict(components, ctx)
 
+    @sharded_only
     def load_full_state_dict(
         self, components: Components, state: dict[str, Any], ctx: WorkerContext
     ) -> None:
         """Worker (every rank, collective): load a full torch-format state; each rank keeps its shard."""
-        if not _sharding.shards(ctx):
-            super().load_full_state_dict(components, state, ctx)
-            return
         self.states.load_full_state_dict(components, state, ctx)
 
+    @sharded_only
     def sharded_state_dict(self, components: Components, ctx: WorkerContext) -> LocalState:
         """Worker: this rank's shards of the models and optimizers, as they are (no gather).
 
         See :mod:`polytrain.backends.fsdp.state_v1`.
         """
-        if not _sharding.shards(ctx):
-            return replicated_local_state(self, components, ctx)
         return self.states.sharded_state_dict(components, ctx)
 
+    @sharded_only
     def load_sharded_state_dict(
         self, components: Components, reader: ShardReader, ctx: WorkerContext
     ) -> None:
         """Worker: read only this rank's ranges of a sharded checkpoint from any backend."""
-        if not _sharding.shards(ctx):
-            load_whole(self, components, reader, ctx)
-            return
         self.states.load_sharded_state_dict(components, reader, ctx)
 
     # ------------------------------------------------- the FSDPVersion protocol

@@ -32,7 +32,7 @@ import torch
 
 from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
-from polytrain.backends.core.local_state import load_whole, replicated_local_state
+from polytrain.backends.core.local_mode import sharded_only
 from polytrain.backends.core.precision import Precision, amp_dtype, default_precision
 from polytrain.backends.core.strategy import TorchStrategy
 from polytrain.backends.fsdp import state_v1 as fsdp_state
@@ -149,13 +149,12 @@ class FSDP2Strategy(ShardedTorchStrategy):
         """
         return default_precision(ctx, cast_forward=not _sharding.shards(ctx))
 
+    @sharded_only
     def prepare(self, components: Components, ctx: WorkerContext) -> Components:
         """Worker: ``fully_shard`` every trainable model; rebuild the optimizers over its DTensors.
 
         In local mode (no process group) nothing is sharded.
         """
-        if not _sharding.shards(ctx):
-            return components
         return self.states.prepare(components, ctx)
 
     def wrap(self, model: torch.nn.Module, ctx: WorkerContext) -> torch.nn.Module:
@@ -218,37 +217,31 @@ class FSDP2Strategy(ShardedTorchStrategy):
         """Worker: the user's module itself (``fully_shard`` shards it in place)."""
         return model
 
+    @sharded_only
     def full_state_dict(self, components: Components, ctx: WorkerContext) -> dict[str, Any] | None:
         """Worker (all ranks, collective): full states gathered to rank 0."""
-        if not _sharding.shards(ctx):
-            return super().full_state_dict(components, ctx)
         _reshard(components)
         return self.states.full_state_dict(components, ctx)
 
+    @sharded_only
     def load_full_state_dict(
         self, components: Components, state: dict[str, Any], ctx: WorkerContext
     ) -> None:
         """Worker (every rank, collective): load a full torch-format state; each rank keeps its rows."""
-        if not _sharding.shards(ctx):
-            super().load_full_state_dict(components, state, ctx)
-            return
         _reshard(components)
         self.states.load_full_state_dict(components, state, ctx)
 
+    @sharded_only
     def sharded_state_dict(self, components: Components, ctx: WorkerContext) -> LocalState:
         """Worker: this rank's rows of every parameter and optimizer state (no gather)."""
-        if not _sharding.shards(ctx):
-            return replicated_local_state(self, components, ctx)
         _reshard(components)
         return self.states.sharded_state_dict(components, ctx)
 
+    @sharded_only
     def load_sharded_state_dict(
         self, components: Components, reader: ShardReader, ctx: WorkerContext
     ) -> None:
         """Worker: read only this rank's rows of a sharded checkpoint from any backend."""
-        if not _sharding.shards(ctx):
-            load_whole(self, components, reader, ctx)
-            return
         _reshard(components)
         self.states.load_sharded_state_dict(components, reader, ctx)
 
