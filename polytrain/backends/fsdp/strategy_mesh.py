@@ -41,6 +41,7 @@ from polytrain.backends.core.parallelism import (
     mesh_ranks,
 )
 from polytrain.backends.core.precision import Precision
+from polytrain.backends.core.strategy import clipped_params, stepped
 from polytrain.backends.fsdp import state_mesh
 from polytrain.backends.fsdp.common import ShardedStates
 from polytrain.backends.fsdp.config import FSDPConfig
@@ -132,11 +133,16 @@ class MeshFSDPStrategy(FSDP2Strategy):
         return self._coords[2] == 0
 
     # ------------------------------------------------------------------- step
-    def clip_grad_norm_(self, components: Components, max_norm: float) -> torch.Tensor | None:
-        """Worker: clip the norm over every shard and TP rank (per mesh, combined)."""
-        (components.precision or Precision()).unscale_(components.optimizers)
-        params = [p for model in components.models for p in model.parameters()]
-        return clip_grad_norm_mesh(params, max_norm)
+    def clip_grad_norm_(
+        self, components: Components, max_norm: float, optimizer_index: int | None = None
+    ) -> torch.Tensor | None:
+        """Worker: clip the norm over every shard and TP rank (per mesh, combined).
+
+        With ``optimizer_index``: that optimizer's parameters only (a custom step's
+        ``self.step(i)``).
+        """
+        (components.precision or Precision()).unscale_(stepped(components, optimizer_index))
+        return clip_grad_norm_mesh(clipped_params(components, optimizer_index), max_norm)
 
     # ------------------------------------------------------------------ state
     @sharded_only
