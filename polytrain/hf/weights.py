@@ -4,9 +4,11 @@
 ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json`` (its
 ``weight_map`` says which file holds which tensor). :class:`SafetensorsDir` opens
 either form and reads any contiguous range of a tensor's flattened elements: a
-rank reads the rows that cover its shard (at most one row more on each side),
-never the whole tensor it does not keep. Files are memory-mapped by
-``safetensors``; nothing is read before it is asked for.
+rank reads exactly its shard's range, never the whole tensor it does not keep. A
+range is read with one positioned read straight into the tensor returned (the
+safetensors header gives its byte offset): no file page is mapped into the process,
+so a rank's resident memory grows by what it keeps, not by the file pages it read
+through. Nothing is read before it is asked for.
 
 :class:`WeightsSource` maps the parameter names of a model built from such a
 directory to the directory's keys: a model wrapped afterwards by ``peft``
@@ -58,6 +60,7 @@ class SafetensorsDir:
         self.path = Path(os.fspath(path)).expanduser()
         self.files = _weight_map(self.path)
         self._handles: dict[str, Any] = {}
+        self._headers: dict[str, tuple[int, dict[str, Any]]] = {}
 
     def keys(self) -> list[str]:
         """Every tensor name, in the files' order."""
@@ -87,13 +90,12 @@ class SafetensorsDir:
     def read(self, key: str, start: int = 0, numel: int | None = None) -> Any:
         """Flattened elements ``[start, start + numel)`` (default: all) of tensor ``key``, 1-D.
 
-        Only the rows that cover the range are read from the file.
+        Only the range's bytes are read from the file, into the tensor returned.
 
         Raises:
             CheckpointError: no such tensor, or a range outside it.
         """
-        piece = self._slice(key)
-        shape = [int(d) for d in piece.get_shape()]
+        shape = self.shape(key)
         total = math.prod(shape)
         numel = total - start if numel is None else numel
         if start < 0 or numel < 0 or start + numel > total:
@@ -101,17 +103,43 @@ class SafetensorsDir:
                 f"Range [{start}, {start + numel}) is outside tensor {key!r} ({total} elements) "
                 f"in {str(self.path)!r}."
             )
-        if not shape:
-            return piece[...].reshape(-1)
-        row = math.prod(shape[1:])
-        first, last = start // max(row, 1), -(-(start + numel) // max(row, 1))
-        rows = piece[first:last].reshape(-1)
-        offset = start - first * row
-        return rows[offset : offset + numel]
+        return self._read_range(key, start, numel)
+
+    def _read_range(self, key: str, start: int, numel: int) -> Any:
+        """Elements ``[start, start + numel)`` of ``key``, read with ``readinto`` (no mmap)."""
+        import torch
+
+        dtype = getattr(torch, self.dtype(key))
+        out = torch.empty(numel, dtype=dtype)
+        if numel == 0:
+            return out
+        name = self.files[key]
+        data_start, begin = self._offsets(name, key)
+        raw = out.view(torch.uint8).numpy()  # the tensor's own bytes
+        with open(self.path / name, "rb") as file:
+            file.seek(data_start + begin + start * out.element_size())
+            if file.readinto(memoryview(raw)) != raw.nbytes:
+                raise CheckpointError(
+                    f"{str(self.path / name)!r} ended inside tensor {key!r}: the file is "
+                    f"truncated; write the checkpoint again."
+                )
+        return out
+
+    def _offsets(self, name: str, key: str) -> tuple[int, int]:
+        """(where the data section of file ``name`` starts, where ``key`` starts in it)."""
+        headers = self._headers.get(name)
+        if headers is None:
+            with open(self.path / name, "rb") as file:
+                size = int.from_bytes(file.read(8), "little")
+                headers = (8 + size, json.loads(file.read(size)))
+            self._headers[name] = headers
+        data_start, header = headers
+        return data_start, int(header[key]["data_offsets"][0])
 
     def close(self) -> None:
-        """Release the memory maps."""
+        """Release the open files (the shapes' and dtypes' handles) and the parsed headers."""
         self._handles.clear()
+        self._headers.clear()
 
 
 def _weight_map(path: Path) -> dict[str, str]:

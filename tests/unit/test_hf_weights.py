@@ -145,3 +145,27 @@ def test_a_quantized_base_is_refused_on_cpu_with_the_reason(saved):
     _, one, _ = saved
     with pytest.raises(ConfigError, match="needs a CUDA GPU: bitsandbytes"):
         loading.from_pretrained(one, load_in_4bit=True)
+
+
+def test_ranges_of_every_dtype_read_bit_for_bit(tmp_path):
+    """bf16, fp16, int64, bool and 0-d ranges, read by offset, equal the saved tensors."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "bf16": torch.randn(7, 5, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(3, 11, generator=g).to(torch.float16),
+        "i64": torch.randint(-(2**40), 2**40, (13,), generator=g),
+        "mask": torch.rand(4, 4, generator=g) > 0.5,
+        "scalar": torch.tensor(2.5),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    weights = SafetensorsDir(tmp_path)
+    for key, tensor in tensors.items():
+        flat = tensor.reshape(-1)
+        for start, numel in ((0, None), (1, flat.numel() - 2), (flat.numel() - 1, 1)):
+            if numel is not None and numel < 0:
+                continue
+            got = weights.read(key, start, numel)
+            want = flat[start : start + numel] if numel is not None else flat
+            assert got.dtype == tensor.dtype and torch.equal(got, want), (key, start, numel)
