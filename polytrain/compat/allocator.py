@@ -12,10 +12,12 @@ few milliseconds and changes no live tensor.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -45,3 +47,34 @@ def release_free_memory() -> bool:
     if libc is None:
         return False
     return bool(libc.malloc_trim(0))
+
+
+#: glibc's mallopt parameter for the mmap threshold (malloc.h).
+_M_MMAP_THRESHOLD = -3
+#: Blocks from this size on get their own mapping, given back the moment they are freed.
+LARGE_BLOCK_BYTES = 1 << 20
+
+
+@contextlib.contextmanager
+def large_blocks_mapped() -> Iterator[None]:
+    """Within: blocks of 1 MiB and more are mapped on their own (glibc only).
+
+    A build that allocates each module in full and frees it once partitioned (ZeRO-3's
+    ``zero.Init``) otherwise leaves the freed blocks in the heap, under glibc's mmap
+    threshold, which grows to 32 MiB after the first large free: the resident memory
+    climbs with every module although what is kept is only the partitions. Setting the
+    threshold fixes it (and stops its growth). Afterwards the threshold is glibc's
+    ceiling for the dynamic one, 32 MiB, where a training process's threshold ends up
+    anyway after its first large frees (a lower fixed one would map and unmap every
+    activation of each step).
+    """
+    libc = _libc()
+    if libc is None:
+        yield
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES)
+    try:
+        yield
+    finally:
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+        release_free_memory()

@@ -20,6 +20,7 @@ import torch
 
 from polytrain.backends.core import meta_init, pretrained_fill
 from polytrain.backends.core.context import WorkerContext
+from polytrain.compat.allocator import large_blocks_mapped
 from polytrain.hf.loading import building
 
 #: How a user turns it off (named in errors).
@@ -73,7 +74,12 @@ def _under_zero_init(
     deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
     # building: transformers' from_pretrained builds the structure only (without an
     # HfDeepSpeedConfig it would read every weight into the empty partitions and fail).
-    with deepspeed.zero.Init(config_dict_or_path=ds_config), building("zero3"):
+    # Each module is built in full and partitioned: its freed blocks must leave the heap.
+    with (
+        large_blocks_mapped(),
+        deepspeed.zero.Init(config_dict_or_path=ds_config),
+        building("zero3"),
+    ):
         try:
             return create()
         except Exception as exc:
