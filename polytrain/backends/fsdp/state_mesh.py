@@ -32,15 +32,17 @@ from typing import Any
 import torch
 
 from polytrain.backends.core.context import Components, WorkerContext
-from polytrain.backends.fsdp.state_v1 import _check_shape, clean_name, local_tensor
+from polytrain.backends.fsdp.state_v1 import (
+    _check_shape,
+    clean_name,
+    local_tensor,
+    sharded_local_state,
+)
 from polytrain.checkpoint.pieces import (
     LocalState,
     Piece,
     ShardReader,
     local_optimizer_state,
-    model_pieces,
-    optimizer_pieces,
-    optimizer_skeleton,
     persistent_buffers,
     whole_model_state,
     whole_piece,
@@ -220,24 +222,17 @@ def mesh_local_state(
         ctx: this worker's context.
         world: this rank's index on every dimension of the world mesh, by name.
     """
-    pieces: list[Piece] = []
-    for index, model in enumerate(components.models):
-        if any(_is_dtensor(p) for p in model.parameters()):
-            pieces += _model_pieces(index, model, world)
-        else:
-            pieces += model_pieces(index, model.state_dict(), replicated=True)
-    for index, (optimizer, model, _) in enumerate(owned):
-        if model is not None and any(_is_dtensor(p) for p in model.parameters()):
-            pieces += _optimizer_pieces(index, optimizer, world)
-        else:
-            pieces += optimizer_pieces(index, optimizer.state_dict(), replicated=True)
-    skeleton = None
-    if ctx.world_rank == 0:
-        skeleton = {
-            "models": [{} for _ in components.models],
-            "optimizers": [optimizer_skeleton(o.param_groups) for o, _, _ in owned],
-        }
-    return LocalState(pieces=pieces, skeleton=skeleton)
+
+    def sharded(model: Any) -> bool:
+        return model is not None and any(_is_dtensor(p) for p in model.parameters())
+
+    def model_shards(index: int, model: Any) -> list[Piece] | None:
+        return _model_pieces(index, model, world) if sharded(model) else None
+
+    def optimizer_shards(index: int, optimizer: Any, model: Any) -> list[Piece] | None:
+        return _optimizer_pieces(index, optimizer, world) if sharded(model) else None
+
+    return sharded_local_state(owned, components, ctx, model_shards, optimizer_shards)
 
 
 @torch.no_grad()

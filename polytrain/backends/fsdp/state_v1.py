@@ -179,19 +179,40 @@ def fsdp_local_state(
         ctx: this worker's context.
         ranges_of: the FSDP version's ranges (:func:`fsdp1_ranges` by default).
     """
+
+    def model_shards(index: int, model: Any) -> list[Piece] | None:
+        ranges = ranges_of(model)
+        return _model_pieces(index, model, ranges) if ranges is not None else None
+
+    def optimizer_shards(index: int, optimizer: Any, model: Any) -> list[Piece] | None:
+        ranges = ranges_of(model) if model is not None else None
+        return _optimizer_pieces(index, optimizer, ranges) if ranges is not None else None
+
+    return sharded_local_state(owned, components, ctx, model_shards, optimizer_shards)
+
+
+def sharded_local_state(
+    owned: list[tuple[Any, Any, Any]],
+    components: Components,
+    ctx: WorkerContext,
+    model_shards: Callable[[int, Any], list[Piece] | None],
+    optimizer_shards: Callable[[int, Any, Any], list[Piece] | None],
+) -> LocalState:
+    """Worker: a local state of the shards a layout gives, whole and replicated elsewhere.
+
+    ``model_shards(index, model)`` / ``optimizer_shards(index, optimizer, model)``
+    return this rank's pieces of a sharded model or optimizer, None for one that is
+    not sharded (written whole, marked replicated). Rank 0 adds the skeleton.
+    """
     pieces: list[Piece] = []
     for index, model in enumerate(components.models):
-        ranges = ranges_of(model)
-        if ranges is not None:
-            pieces += _model_pieces(index, model, ranges)
-        else:
-            pieces += model_pieces(index, model.state_dict(), replicated=True)
+        found = model_shards(index, model)
+        pieces += found if found is not None else model_pieces(index, model.state_dict(), True)
     for index, (optimizer, model, _) in enumerate(owned):
-        ranges = ranges_of(model) if model is not None else None
-        if ranges is not None:
-            pieces += _optimizer_pieces(index, optimizer, ranges)
-        else:
-            pieces += optimizer_pieces(index, optimizer.state_dict(), replicated=True)
+        found = optimizer_shards(index, optimizer, model)
+        if found is None:
+            found = optimizer_pieces(index, optimizer.state_dict(), replicated=True)
+        pieces += found
     skeleton = None
     if ctx.world_rank == 0:
         skeleton = {
