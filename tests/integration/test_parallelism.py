@@ -410,3 +410,23 @@ def test_a_model_without_a_plan_and_heads_not_divisible_fail_on_the_workers_with
         )
     with pytest.raises(ConfigError, match="num_key_value_heads=2, which is not divisible by 4"):
         make_trainer("llama", {"tp": 4})
+    # get_peft_model in the creator: the workers see the adapters and refuse TP.
+    pytest.importorskip("peft")
+    with pytest.raises(ConfigError, match=r"tp=2 cannot split a model with PEFT adapters"):
+        TorchTrainer(
+            model_creator=_lora_llama_creator,
+            data_creator=lm.data_creator,
+            optimizer_creator=lm.sgd_creator,
+            config={"batch_size": lm.GLOBAL_BATCH},
+            num_workers=2,
+            backend="fsdp",
+            parallelism={"tp": 2},
+            failure_config={"max_retries": 0},
+        )
+
+
+def _lora_llama_creator(config: dict) -> torch.nn.Module:
+    import peft
+
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    return peft.get_peft_model(lm.CREATORS["llama"](config), lora)

@@ -103,6 +103,34 @@ def test_a_model_without_a_plan_or_with_heads_not_divisible_by_tp_is_refused():
         plan_name(gpt2, None, 2)
 
 
+def test_peft_adapters_under_tensor_parallelism_are_refused_with_what_to_use():
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from polytrain.backends.core.parallelism import adapter_modules, refuse_adapters_under_tp
+
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=64, hidden_size=24, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2,
+        )
+    )  # fmt: skip
+    refuse_adapters_under_tp(llama, 2)  # a plain model: its plan splits it
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    adapted = peft.get_peft_model(llama, lora)
+    assert adapter_modules(adapted)[0] == "<root>"  # the PeftModel itself
+    refuse_adapters_under_tp(adapted, 1)  # data parallel: fine
+    with pytest.raises(
+        ConfigError, match=r"tp=2 cannot split a model with PEFT adapters.*dp_shard"
+    ):
+        refuse_adapters_under_tp(adapted, 2)
+    # peft_config= on the trainer: refused on the driver, on both backends that run TP.
+    for backend in ("fsdp", "deepspeed"):
+        if not get_spec(backend).installed:
+            continue
+        with pytest.raises(ConfigError, match="tp=2 cannot split the adapters of peft_config="):
+            _trainer(backend, {"tp": 2}, peft_config=lora)
+
+
 def test_run_configs_carry_parallelism_and_tp_plan(tmp_path: Path):
     path = tmp_path / "run.yaml"
     path.write_text(

@@ -247,3 +247,47 @@ def refuse_mesh(backend: str, sizes: Parallelism, reason: str) -> ConfigError:
         f"parallelism={sizes.as_dict()} is not supported by the {backend} backend: {reason}. "
         f"Use {MESH_BACKENDS}, or plain data parallelism (dp_shard or dp_replicate alone)."
     )
+
+
+def adapter_modules(model: Any) -> list[str]:
+    """The names of ``model``'s PEFT modules (a ``PeftModel``, LoRA layers), without importing peft."""
+    named = getattr(model, "named_modules", None)
+    if named is None:
+        return []
+    return [name or "<root>" for name, module in named() if _is_peft(module)]
+
+
+def _is_peft(module: Any) -> bool:
+    return type(module).__module__.split(".", 1)[0] == "peft"
+
+
+def refuse_adapters_under_tp(model: Any, tp: int) -> None:
+    """Raises ConfigError when ``tp > 1`` and ``model`` carries PEFT adapters (LoRA).
+
+    A TP plan splits the model's own linear layers; PEFT replaces them with adapter
+    layers that wrap the original (``base_layer``) and add ``lora_A`` / ``lora_B``,
+    which no plan splits. Rather than shard the base and leave the adapters' shapes
+    wrong, the combination is refused with what to use instead.
+    """
+    if tp <= 1:
+        return
+    found = adapter_modules(model)
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise _adapters_under_tp(tp, f"a model with PEFT adapters ({shown})")
+
+
+def refuse_tp_with_peft_config(tp: int) -> None:
+    """Driver: raises ConfigError for a trainer's ``peft_config=`` with ``tp > 1``."""
+    if tp > 1:
+        raise _adapters_under_tp(tp, "the adapters of peft_config=")
+
+
+def _adapters_under_tp(tp: int, what: str) -> ConfigError:
+    return ConfigError(
+        f"parallelism tp={tp} cannot split {what}: PEFT's adapter layers wrap the linear "
+        f"layers a tensor-parallel plan splits, and no plan splits the adapters. Fine-tune "
+        f"adapters with data parallelism, which shards the frozen base too "
+        f"(parallelism={{'dp_shard': -1}} on fsdp or deepspeed, dp_replicate x dp_shard for "
+        f"HSDP), or set tp=1."
+    )

@@ -26,7 +26,7 @@ from polytrain.backends.core import sharding as _sharding
 from polytrain.backends.core.context import Components, WorkerContext
 from polytrain.backends.core.local_mode import sharded_only
 from polytrain.backends.core.local_state import gathered_local_state
-from polytrain.backends.core.parallelism import Parallelism, mesh_ranks
+from polytrain.backends.core.parallelism import Parallelism, mesh_ranks, refuse_adapters_under_tp
 from polytrain.backends.deepspeed.config import DeepSpeedConfig
 from polytrain.backends.deepspeed.state import engine_state
 from polytrain.backends.deepspeed.strategy import DeepSpeedStrategy
@@ -49,7 +49,13 @@ class AutoTPStrategy(DeepSpeedStrategy):
         self.tp = tp
 
     def prepare(self, components: Components, ctx: WorkerContext) -> Components:
-        """Worker: check that the TP groups fit the nodes, then build the engine."""
+        """Worker: check that the TP groups fit the nodes, then build the engine.
+
+        Raises:
+            ConfigError: a model with PEFT adapters (AutoTP would split their base layers).
+        """
+        for model in components.models:
+            refuse_adapters_under_tp(model, self.tp)
         if _sharding.shards(ctx):
             import torch.distributed as dist
 

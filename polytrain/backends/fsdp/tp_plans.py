@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from polytrain.backends.core.parallelism import refuse_adapters_under_tp
 from polytrain.errors import ConfigError, ConfigTypeError
 
 #: The style names a ``tp_plan`` may use (YAML run configs name them).
@@ -138,10 +139,12 @@ def apply_tp_plan(model: torch.nn.Module, tp_mesh: Any, tp_plan: dict[str, Any] 
     """Split ``model`` over ``tp_mesh`` in place; returns the plan's name (:func:`plan_name`).
 
     Raises:
-        ConfigError: as :func:`plan_name`.
+        ConfigError: as :func:`plan_name`, or a model with PEFT adapters
+            (:func:`~polytrain.backends.core.parallelism.refuse_adapters_under_tp`).
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
+    refuse_adapters_under_tp(model, tp_mesh.size())
     name = plan_name(model, tp_plan, tp_mesh.size())
     if name == "tp_plan":
         plan = {pattern: style(value) for pattern, value in tp_plan.items()}

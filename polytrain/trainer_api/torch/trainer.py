@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from polytrain.backends.core.backend import Backend
+from polytrain.backends.core.parallelism import refuse_tp_with_peft_config
 from polytrain.backends.core.step_options import step_options
 from polytrain.checkpoint import safetensors_export
 from polytrain.checkpoint.directory import SaveRequest
@@ -197,6 +198,10 @@ class TorchTrainer(BaseTrainer):
         self.backend.configure_parallelism(
             parallelism, tp_plan, num_workers=workers, min_workers=self.scaling.min_workers
         )
+        mesh = getattr(self.backend, "parallelism", None)
+        if self.creators.peft_config is not None and mesh is not None:
+            # The workers refuse an adapted model under TP too (get_peft_model in a creator).
+            refuse_tp_with_peft_config(mesh.tp)
         # Validates the global batch against the data-parallel workers (TP peers share one).
         return self._per_worker_config(self.config, self.backend.data_parallel_size(workers))
 
