@@ -8,7 +8,7 @@ step time of each, their ratio, each rank's held bytes (parameters and AdamW
 state, counted on the real tensors) against :func:`workload.formula_bytes`, and
 the peak resident memory of the ranks; the 1-minute load average before every run.
 
-Usage: python benchmarks/parallel/bench.py [--size 350m|tiny] [--reps 3] [--steps 3]
+Usage: python benchmarks/parallel/bench.py [--size 350m|tiny] [--reps 3] [--steps 4] [--warmup 2]
        [--layouts fsdp4,hsdp2x2,tp2xfsdp2] [--out benchmarks/out/parallel] [--update-results]
 ``--update-results`` writes the section into benchmarks/RESULTS.md between its markers.
 """
@@ -66,6 +66,8 @@ def run_native(spec: workload.Spec, timeout_s: float) -> dict:
         ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("native_rank*.json"))]
     return {
         "step_s": max(r["step_s"] for r in ranks),
+        # Each step's slowest rank.
+        "step_times": [max(t) for t in zip(*(r["step_times"] for r in ranks), strict=True)],
         "held": [r["held"] for r in sorted(ranks, key=lambda r: r["rank"])],
         "peak_rss_mb": [r["peak_rss_mb"] for r in sorted(ranks, key=lambda r: r["rank"])],
     }
@@ -79,6 +81,7 @@ def run_polytrain(spec: workload.Spec, timeout_s: float) -> dict:
     workers = sorted(result["workers"], key=lambda w: w["rank"])
     return {
         "step_s": result["step_s"],
+        "worker_loop_step_s": result["worker_loop_step_s"],
         "held": [w["held"] for w in workers],
         "peak_rss_mb": [w["peak_rss_mb"] for w in workers],
     }
@@ -87,8 +90,32 @@ def run_polytrain(spec: workload.Spec, timeout_s: float) -> dict:
 RUNNERS = {"native": run_native, "polytrain": run_polytrain}
 
 
+def run_once_more_on_a_crash(runner: str, spec: workload.Spec, timeout_s: float) -> dict:
+    """``RUNNERS[runner]``; a run that dies (a rank's crash) is run once more, and says so.
+
+    On 4 CPU processes over 2 cores a rank of either runner has died once in a long
+    series (a SIGSEGV inside gloo's TCP transport, native torchrun's run); the failure's
+    last line is kept with the result (``retried``), and a second failure is raised.
+    """
+    try:
+        return RUNNERS[runner](spec, timeout_s)
+    except RuntimeError as exc:
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        cause = next((line for line in lines if "SIGSEGV" in line or "Error" in line), lines[-1])
+        print(f"[parallel] {runner} {spec.layout} failed, running it once more: {cause}")
+        return {**RUNNERS[runner](spec, timeout_s), "retried": cause.strip()[:300]}
+
+
 def measure(args: argparse.Namespace) -> dict:
-    runs: list[dict] = []
+    data = {
+        "size": args.size,
+        "params": workload.num_params(args.size),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "runs": [],
+    }
+    partial = Path(args.out) / f"partial_{args.size}.json"
+    partial.parent.mkdir(parents=True, exist_ok=True)
     for rep in range(args.reps):
         for layout in args.layouts:
             order = ["native", "polytrain"] if rep % 2 == 0 else ["polytrain", "native"]
@@ -96,25 +123,22 @@ def measure(args: argparse.Namespace) -> dict:
                 spec = workload.Spec(args.size, layout, steps=args.steps, warmup=args.warmup)
                 load = os.getloadavg()[0]
                 start = time.monotonic()
-                result = RUNNERS[runner](spec, args.timeout_s)
-                runs.append(
+                result = run_once_more_on_a_crash(runner, spec, args.timeout_s)
+                data["runs"].append(
                     {
                         "rep": rep, "layout": layout, "runner": runner, "load_1m": round(load, 2),
                         "wall_s": round(time.monotonic() - start, 1), **result,
                     }
                 )  # fmt: skip
+                partial.write_text(json.dumps(data, indent=1))  # a long run's results so far
+                loop = result.get("worker_loop_step_s")
                 print(
-                    f"[parallel] rep {rep} {layout:10s} {runner:9s} step {result['step_s']:.3f} s "
-                    f"(load {load:.2f})",
+                    f"[parallel] rep {rep} {layout:10s} {runner:9s} step {result['step_s']:.3f} s"
+                    + (f", native loop in its workers {loop:.3f} s" if loop else "")
+                    + f" (load {load:.2f})",
                     flush=True,
                 )
-    return {
-        "size": args.size,
-        "params": workload.num_params(args.size),
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "runs": runs,
-    }
+    return data
 
 
 def summarize(data: dict) -> list[dict]:
@@ -127,6 +151,12 @@ def summarize(data: dict) -> list[dict]:
             name: workload.median([r["step_s"] for r in mine if r["runner"] == name])
             for name in RUNNERS
         }
+        loops = [r["worker_loop_step_s"] for r in mine if r["runner"] == "polytrain"]
+        pairs = [
+            workload.ratio(by["polytrain"]["step_s"], by["native"]["step_s"])
+            for by in _by_rep(mine).values()
+            if len(by) == 2
+        ]
         polytrain = [r for r in mine if r["runner"] == "polytrain"][-1]
         native = [r for r in mine if r["runner"] == "native"][-1]
         formula = workload.formula_bytes(data["size"], layout)
@@ -136,6 +166,9 @@ def summarize(data: dict) -> list[dict]:
                 "native_step_s": round(steps["native"], 3),
                 "polytrain_step_s": round(steps["polytrain"], 3),
                 "ratio": workload.ratio(steps["polytrain"], steps["native"]),
+                "pair_ratios": pairs,
+                "worker_loop_step_s": round(workload.median(loops), 3),
+                "worker_loop_ratio": workload.ratio(workload.median(loops), steps["native"]),
                 "formula_gib": workload.gib(formula["params"] + formula["optimizer"]),
                 "held_gib": [workload.gib(h["params"] + h["optimizer"]) for h in polytrain["held"]],
                 "native_held_gib": [
@@ -147,6 +180,14 @@ def summarize(data: dict) -> list[dict]:
             }
         )
     return rows
+
+
+def _by_rep(runs: list[dict]) -> dict[int, dict[str, dict]]:
+    """One layout's runs as ``{rep: {runner: run}}``: the back-to-back pairs."""
+    pairs: dict[int, dict[str, dict]] = {}
+    for run in runs:
+        pairs.setdefault(run["rep"], {})[run["runner"]] = run
+    return pairs
 
 
 def section(data: dict, rows: list[dict]) -> str:
@@ -163,16 +204,23 @@ def section(data: dict, rows: list[dict]) -> str:
         f"native torchrun script (torch's DeviceMesh, parallelize_module, fully_shard) and "
         f"polytrain (`TorchTrainer(backend='fsdp', parallelism=...)`) interleaved, median of "
         f"{max(r['rep'] for r in data['runs']) + 1} runs each, {data['steps']} timed steps "
-        f"after {data['warmup']} warm-up step(s) per run.",
+        f"after {data['warmup']} warm-up step(s) per run. Ratio: polytrain's median over "
+        f"native's; per pair: each back-to-back pair's own ratio. Native loop in polytrain's "
+        f"workers: the native script's timed steps run inside polytrain's worker processes "
+        f"on the model polytrain prepared, right after its timed call (what the processes "
+        f"cost without polytrain's step), and its ratio to native.",
         "",
-        "| layout | native step (s) | polytrain step (s) | ratio | held per rank, formula "
-        "(GiB) | held per rank, measured (GiB) | peak RSS per rank (GiB) | load 1m |",
-        "|---|---|---|---|---|---|---|---|",
+        "| layout | native step (s) | polytrain step (s) | ratio | ratio per pair | native loop "
+        "in polytrain's workers (s, ratio) | held per rank, formula (GiB) | held per rank, "
+        "measured (GiB) | peak RSS per rank (GiB) | load 1m |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['layout']} | {row['native_step_s']} | {row['polytrain_step_s']} | "
-            f"{row['ratio']} | {row['formula_gib']} | {', '.join(map(str, row['held_gib']))} | "
+            f"{row['ratio']} | {', '.join(map(str, row['pair_ratios']))} | "
+            f"{row['worker_loop_step_s']} ({row['worker_loop_ratio']}) | "
+            f"{row['formula_gib']} | {', '.join(map(str, row['held_gib']))} | "
             f"{', '.join(map(str, row['peak_rss_gib']))} | "
             f"{min(row['loads'])}-{max(row['loads'])} |"
         )
@@ -199,8 +247,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", default="350m", choices=sorted(workload.SIZES))
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=workload.Spec.steps)
+    parser.add_argument("--warmup", type=int, default=workload.Spec.warmup)
     parser.add_argument("--layouts", default=",".join(workload.LAYOUTS))
     parser.add_argument("--timeout-s", type=float, default=1200)
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "out" / "parallel"))

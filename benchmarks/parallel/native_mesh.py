@@ -7,8 +7,8 @@ sequence parallel, the embedding split by vocabulary, the LM head's logits
 gathered); then ``fully_shard`` on every decoder layer and on the root over
 ``(dp_replicate, dp_shard)`` (HSDP when replicated). Every rank builds the model
 (seeded, the same weights), one thread per process as polytrain's workers run.
-Each rank writes the mean step time of the timed steps (between two barriers),
-its held bytes and its peak memory.
+Each rank writes the mean step time of the timed steps (between two barriers,
+:func:`workload.timed_steps`), each step's time, its held bytes and its peak memory.
 
 Usage: torchrun --nproc_per_node=4 benchmarks/parallel/native_mesh.py --spec JSON --out DIR
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -95,30 +94,14 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=workload.LR)
     dp_rank = mesh["dp_replicate"].get_local_rank() * sizes["dp_shard"]
     dp_rank += mesh["dp_shard"].get_local_rank()
-    total = spec.warmup + spec.steps
-    ids = workload.token_ids(spec.size, total * spec.data_parallel)
-
-    def train_step(step: int) -> None:
-        first = step * spec.data_parallel + dp_rank
-        batch = ids[first : first + 1]
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        loss.item()  # the metric polytrain's step reports
-
-    for step in range(spec.warmup):
-        train_step(step)
-    dist.barrier()
-    start = time.perf_counter()
-    for step in range(spec.warmup, total):
-        train_step(step)
-    dist.barrier()
-    step_s = (time.perf_counter() - start) / spec.steps
+    warm = workload.Spec(spec.size, spec.layout, steps=spec.warmup, warmup=0)
+    if spec.warmup:
+        workload.timed_steps(model, optimizer, warm, dp_rank, first=0)
+    timed = workload.timed_steps(model, optimizer, spec, dp_rank, first=spec.warmup)
     out = Path(args.out)
     result = {
         "rank": rank,
-        "step_s": step_s,
+        **timed,
         "held": workload.held_bytes(model, optimizer),
         "peak_rss_mb": workload.peak_rss_mb(),
     }

@@ -5,6 +5,11 @@ downloaded), the same generated token data, AdamW, and run the same step:
 ``model(input_ids, labels).loss``, backward, step, zero_grad. Each data-parallel
 rank trains one sequence per step (TP peers share theirs). Sizes:
 
+The native script times :func:`timed_steps`; polytrain's driver times its
+trainer's call and then runs :func:`timed_steps` once more inside its own workers on
+the model it prepared, which tells what the launcher's processes cost apart from
+what polytrain's step does.
+
 * ``"350m"``: 24 layers, d=1024, 16 heads, MLP 2560, vocab 32000 (355.0M parameters),
   sequence 32 (short: 4 processes share 2 cores here): the memory and speed figures.
 * ``"tiny"``: 2 layers, d=64, vocab 256, sequence 32: the ``--quick`` smoke run.
@@ -45,8 +50,8 @@ class Spec:
 
     size: str = "350m"
     layout: str = "fsdp4"
-    steps: int = 3
-    warmup: int = 1
+    steps: int = 4
+    warmup: int = 2
 
     def to_json(self) -> str:
         """The spec as a JSON string."""
@@ -85,6 +90,36 @@ def build_model(size: str) -> Any:
         max_position_embeddings=max(256, shape["seq"]),
     )
     return transformers.LlamaForCausalLM(config)
+
+
+def timed_steps(model: Any, optimizer: Any, spec: Spec, dp_rank: int, first: int) -> dict:
+    """Run ``spec.steps`` plain steps from step index ``first``, between two barriers.
+
+    The step is the one polytrain's default step runs for this workload: the model's
+    own loss on this data-parallel rank's sequence, backward, ``optimizer.step()``,
+    ``zero_grad()`` and the loss read back (the metric a trainer reports). Returns
+    ``step_s`` (barrier to barrier, over the steps) and each step's ``step_times``.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    ids = token_ids(spec.size, (first + spec.steps) * spec.data_parallel)
+    step_times = []
+    dist.barrier()
+    start = time.perf_counter()
+    for step in range(first, first + spec.steps):
+        begun = time.perf_counter()
+        row = step * spec.data_parallel + dp_rank
+        batch = ids[row : row + 1]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss.item()
+        step_times.append(time.perf_counter() - begun)
+    dist.barrier()
+    return {"step_s": (time.perf_counter() - start) / spec.steps, "step_times": step_times}
 
 
 def num_params(size: str) -> int:
