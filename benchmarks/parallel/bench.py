@@ -93,9 +93,9 @@ RUNNERS = {"native": run_native, "polytrain": run_polytrain}
 def run_once_more_on_a_crash(runner: str, spec: workload.Spec, timeout_s: float) -> dict:
     """``RUNNERS[runner]``; a run that dies (a rank's crash) is run once more, and says so.
 
-    On 4 CPU processes over 2 cores a rank of either runner has died once in a long
-    series (a SIGSEGV inside gloo's TCP transport, native torchrun's run); the failure's
-    last line is kept with the result (``retried``), and a second failure is raised.
+    On 4 CPU processes over 2 cores a rank of the native TP run died once (a SIGSEGV
+    inside gloo's TCP transport) and took an hour's suite with it; the failure's line is
+    kept with the result (``retried``), and a second failure is raised.
     """
     try:
         return RUNNERS[runner](spec, timeout_s)

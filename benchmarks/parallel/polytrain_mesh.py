@@ -48,11 +48,12 @@ def optimizer_creator(model, config: dict):
 
 def worker_loop(operator, spec_json: str) -> dict:
     """The native script's timed steps, run in this polytrain worker on the model it prepared."""
+    from polytrain.backends.core.parallelism import data_parallel_rank
+
     spec = workload.Spec.from_json(spec_json)
     strategy = operator.strategy
     if hasattr(strategy, "coordinates"):  # a mesh; plain FSDP 4 runs the 1-D strategy
-        replica, shard, _ = strategy.coordinates
-        dp_rank = replica * strategy.parallelism.dp_shard + shard
+        dp_rank = data_parallel_rank(strategy.parallelism, strategy.coordinates)
     else:
         dp_rank = operator.world_rank
     first = spec.warmup + spec.steps  # after the trainer's own steps

@@ -3,12 +3,10 @@
 Both runners build the same HF ``LlamaForCausalLM`` from a config (seeded, nothing
 downloaded), the same generated token data, AdamW, and run the same step:
 ``model(input_ids, labels).loss``, backward, step, zero_grad. Each data-parallel
-rank trains one sequence per step (TP peers share theirs). Sizes:
-
-The native script times :func:`timed_steps`; polytrain's driver times its
-trainer's call and then runs :func:`timed_steps` once more inside its own workers on
-the model it prepared, which tells what the launcher's processes cost apart from
-what polytrain's step does.
+rank trains one sequence per step (TP peers share theirs). The native script times
+:func:`timed_steps`; polytrain's driver times its trainer's call and then runs
+:func:`timed_steps` once more inside its own workers on the model it prepared, which
+tells what the launcher's processes cost apart from what polytrain's step does. Sizes:
 
 * ``"350m"``: 24 layers, d=1024, 16 heads, MLP 2560, vocab 32000 (355.0M parameters),
   sequence 32 (short: 4 processes share 2 cores here): the memory and speed figures.

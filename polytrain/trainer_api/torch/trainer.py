@@ -198,10 +198,9 @@ class TorchTrainer(BaseTrainer):
         self.backend.configure_parallelism(
             parallelism, tp_plan, num_workers=workers, min_workers=self.scaling.min_workers
         )
-        mesh = getattr(self.backend, "parallelism", None)
-        if self.creators.peft_config is not None and mesh is not None:
+        if self.creators.peft_config is not None and self.backend.parallelism is not None:
             # The workers refuse an adapted model under TP too (get_peft_model in a creator).
-            refuse_tp_with_peft_config(mesh.tp)
+            refuse_tp_with_peft_config(self.backend.parallelism.tp)
         # Validates the global batch against the data-parallel workers (TP peers share one).
         return self._per_worker_config(self.config, self.backend.data_parallel_size(workers))
 
