@@ -10,13 +10,23 @@ gathered); then ``fully_shard`` on every decoder layer and on the root over
 Each rank writes the mean step time of the timed steps (between two barriers,
 :func:`workload.timed_steps`), each step's time, its held bytes and its peak memory.
 
+With ``--turns DIR --windows W`` it takes turns with polytrain_mesh.py instead
+(turns.py): it starts once polytrain has set up, then runs ``W`` windows of
+``spec.steps`` steps each when its turn comes. Its set-up then ends by giving the
+freed heap back to the system (as polytrain's workers do after theirs), and so does
+every wait for a turn, so that the two jobs fit in memory side by side; it changes
+no tensor.
+
 Usage: torchrun --nproc_per_node=4 benchmarks/parallel/native_mesh.py --spec JSON --out DIR
+       [--turns DIR --windows W]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -32,7 +42,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from benchmarks.parallel import workload
+from benchmarks.parallel import turns, workload
 
 DIMS = ("dp_replicate", "dp_shard", "tp")
 
@@ -73,10 +83,35 @@ def tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
         parallelize_module(layer, tp_mesh, plan)
 
 
+def take_turns(model, optimizer, spec: workload.Spec, dp_rank: int, directory: str, windows: int):
+    """``windows`` windows of ``spec.steps`` timed steps, each when the turn counter says so."""
+    turns.release_heap()
+    side = turns.Turns(directory, "native", windows)
+    rank = dist.get_rank()
+    if rank == 0:
+        side.mark_ready()
+    while not (side.directory / "polytrain.ready").exists():
+        time.sleep(turns.POLL_S)
+    step_times = []
+    for window in range(windows):
+        turns.release_heap()
+        side.wait_for(side.turn_of(window))
+        faults = turns.page_faults()
+        timed = workload.timed_steps(model, optimizer, spec, dp_rank, first=window * spec.steps)
+        faults = turns.gather_faults(faults)  # after the clock stopped
+        step_times += timed["step_times"]
+        if rank == 0:
+            side.hand_over(window, timed["step_s"] * spec.steps, spec.steps, faults)
+    side.wait_for(side.end)  # tear down only once polytrain's last window is over
+    return {"step_s": workload.median(step_times), "step_times": step_times}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--turns", help="take turns with polytrain through this directory")
+    parser.add_argument("--windows", type=int, default=0)
     args = parser.parse_args()
     spec = workload.Spec.from_json(args.spec)
     torch.set_num_threads(1)
@@ -91,13 +126,16 @@ def main() -> None:
     for layer in model.model.layers:
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=workload.LR)
+    optimizer = workload.make_optimizer(model.parameters(), spec.optimizer)
     dp_rank = mesh["dp_replicate"].get_local_rank() * sizes["dp_shard"]
     dp_rank += mesh["dp_shard"].get_local_rank()
-    warm = workload.Spec(spec.size, spec.layout, steps=spec.warmup, warmup=0)
-    if spec.warmup:
-        workload.timed_steps(model, optimizer, warm, dp_rank, first=0)
-    timed = workload.timed_steps(model, optimizer, spec, dp_rank, first=spec.warmup)
+    if args.turns:
+        timed = take_turns(model, optimizer, spec, dp_rank, args.turns, args.windows)
+    else:
+        warm = dataclasses.replace(spec, steps=spec.warmup, warmup=0)
+        if spec.warmup:
+            workload.timed_steps(model, optimizer, warm, dp_rank, first=0)
+        timed = workload.timed_steps(model, optimizer, spec, dp_rank, first=spec.warmup)
     out = Path(args.out)
     result = {
         "rank": rank,

@@ -1,7 +1,8 @@
 """The mesh-parallel benchmark's workload (issue 42), shared by the native script and the polytrain driver.
 
 Both runners build the same HF ``LlamaForCausalLM`` from a config (seeded, nothing
-downloaded), the same generated token data, AdamW, and run the same step:
+downloaded), the same generated token data, AdamW (or plain SGD, ``Spec.optimizer``,
+where AdamW's state would not fit: see bench.py's turns mode), and run the same step:
 ``model(input_ids, labels).loss``, backward, step, zero_grad. Each data-parallel
 rank trains one sequence per step (TP peers share theirs). The native script times
 :func:`timed_steps`; polytrain's driver times its trainer's call and then runs
@@ -50,6 +51,7 @@ class Spec:
     layout: str = "fsdp4"
     steps: int = 4
     warmup: int = 2
+    optimizer: str = "adamw"
 
     def to_json(self) -> str:
         """The spec as a JSON string."""
@@ -88,6 +90,21 @@ def build_model(size: str) -> Any:
         max_position_embeddings=max(256, shape["seq"]),
     )
     return transformers.LlamaForCausalLM(config)
+
+
+#: The optimizers a spec may name: AdamW (two fp32 state tensors per parameter), plain SGD (none).
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def make_optimizer(parameters: Any, name: str) -> Any:
+    """The spec's optimizer over ``parameters`` at the workload's learning rate."""
+    import torch
+
+    if name == "adamw":
+        return torch.optim.AdamW(parameters, lr=LR)
+    if name == "sgd":
+        return torch.optim.SGD(parameters, lr=LR)
+    raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
 
 
 def timed_steps(model: Any, optimizer: Any, spec: Spec, dp_rank: int, first: int) -> dict:
@@ -136,15 +153,18 @@ def token_ids(size: str, sequences: int) -> Any:
     return torch.randint(0, SIZES[size]["vocab"], (sequences, SIZES[size]["seq"]), generator=g)
 
 
-def formula_bytes(size: str, layout: str) -> dict[str, float]:
+def formula_bytes(size: str, layout: str, optimizer: str = "adamw") -> dict[str, float]:
     """What one rank holds by the formulas: P / (dp_shard * tp) of each fp32 tensor kind.
+
+    AdamW keeps two state tensors per parameter, plain SGD none.
 
     HSDP replicates the shards over ``dp_replicate``; TP splits every matrix over
     ``tp`` (the norms, 0.01% of P, are whole on every TP rank and left out).
     """
     mesh = LAYOUTS[layout]
     share = num_params(size) / (mesh["dp_shard"] * mesh["tp"])
-    return {"params": 4 * share, "grads": 4 * share, "optimizer": 8 * share}
+    states = 2 if optimizer == "adamw" else 0
+    return {"params": 4 * share, "grads": 4 * share, "optimizer": 4 * states * share}
 
 
 def held_bytes(model: Any, optimizer: Any) -> dict[str, int]:
