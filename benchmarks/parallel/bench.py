@@ -19,9 +19,10 @@ memory monitor then stops a worker) and HSDP 2 x 2 holds twice the shards, so
 the layouts a stopped suite measured (its partial results file).
 
 Usage: python benchmarks/parallel/bench.py [--size 350m|tiny] [--reps 3] [--steps 4] [--warmup 2]
-       [--layouts fsdp4,hsdp2x2,tp2xfsdp2] [--optimizer adamw|sgd] [--turns W [--resume]
-       [--backend-config JSON] [--polytrain-env KEY=VALUE]] [--out benchmarks/out/parallel]
+       [--layouts fsdp4,hsdp2x2,tp2xfsdp2] [--optimizer adamw|sgd] [--turns W [--resume]]
+       [--backend-config JSON] [--polytrain-env KEY=VALUE] [--out benchmarks/out/parallel]
        [--update-results]
+(``--warmup`` is for back-to-back runs, ``--resume`` for turns; the other mode refuses it.)
 ``--update-results`` writes the section into benchmarks/RESULTS.md between its markers
 (the turns mode has a section of its own).
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -54,25 +56,36 @@ TURNS_BEGIN, TURNS_END = "<!-- parallel-turns:begin -->", "<!-- parallel-turns:e
 RAY_TMPDIR = tempfile.mkdtemp(prefix="ptparray", dir="/tmp")
 
 
-#: Extra environment of polytrain's job only (``--polytrain-env``): what its processes try.
-POLYTRAIN_ENV: dict[str, str] = {}
+@dataclasses.dataclass(frozen=True)
+class PolytrainSide:
+    """What a trial changes on polytrain's side only (``--backend-config``, ``--polytrain-env``)."""
+
+    backend_config: str = "{}"
+    env: tuple[tuple[str, str], ...] = ()
+
+    def arguments(self) -> list[str]:
+        """polytrain_mesh.py's arguments for it."""
+        return ["--backend-config", self.backend_config]
+
+    def record(self) -> dict:
+        """As kept with each run (and told apart by ``--resume``)."""
+        return {"backend_config": json.loads(self.backend_config), "polytrain_env": dict(self.env)}
 
 
-def _env(job: str = "native") -> dict[str, str]:
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     # polytrain_mesh.py starts its own Ray: never another cluster running on this host.
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    if job == "polytrain":
-        env.update(POLYTRAIN_ENV)  # Ray's workers inherit the driver's environment
+    env.update(extra or {})  # polytrain's trial: Ray's workers inherit the driver's environment
     env["RAY_TMPDIR"] = RAY_TMPDIR
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(":")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
-def _run(command: list[str], timeout_s: float) -> None:
-    """Run ``command``; on failure, raise with the tail of its output."""
+def _run(command: list[str], timeout_s: float, env: dict[str, str] | None = None) -> None:
+    """Run ``command`` (with ``env`` added); on failure, raise with the tail of its output."""
     proc = subprocess.run(
-        command, env=_env(), timeout=timeout_s, capture_output=True, text=True, check=False
+        command, env=_env(env), timeout=timeout_s, capture_output=True, text=True, check=False
     )
     if proc.returncode:
         raise RuntimeError(
@@ -81,7 +94,7 @@ def _run(command: list[str], timeout_s: float) -> None:
         )
 
 
-def run_native(spec: workload.Spec, timeout_s: float) -> dict:
+def run_native(spec: workload.Spec, timeout_s: float, side: PolytrainSide) -> dict:
     with tempfile.TemporaryDirectory(prefix="ptpar-") as out:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         command = [*torchrun, f"--nproc_per_node={workload.NUM_WORKERS}"]
@@ -97,10 +110,10 @@ def run_native(spec: workload.Spec, timeout_s: float) -> dict:
     }
 
 
-def run_polytrain(spec: workload.Spec, timeout_s: float) -> dict:
+def run_polytrain(spec: workload.Spec, timeout_s: float, side: PolytrainSide) -> dict:
     with tempfile.TemporaryDirectory(prefix="ptpar-") as out:
         command = [sys.executable, str(HERE / "polytrain_mesh.py"), "--spec", spec.to_json()]
-        _run([*command, "--out", out], timeout_s)
+        _run([*command, "--out", out, *side.arguments()], timeout_s, dict(side.env))
         result = json.loads((Path(out) / "polytrain.json").read_text())
     workers = sorted(result["workers"], key=lambda w: w["rank"])
     return {
@@ -114,7 +127,9 @@ def run_polytrain(spec: workload.Spec, timeout_s: float) -> dict:
 RUNNERS = {"native": run_native, "polytrain": run_polytrain}
 
 
-def run_once_more_on_a_crash(runner: str, spec: workload.Spec, timeout_s: float) -> dict:
+def run_once_more_on_a_crash(
+    runner: str, spec: workload.Spec, timeout_s: float, side: PolytrainSide
+) -> dict:
     """``RUNNERS[runner]``; a run that dies (a rank's crash) is run once more, and says so.
 
     On 4 CPU processes over 2 cores a rank of the native TP run died once (a SIGSEGV
@@ -122,15 +137,15 @@ def run_once_more_on_a_crash(runner: str, spec: workload.Spec, timeout_s: float)
     kept with the result (``retried``), and a second failure is raised.
     """
     try:
-        return RUNNERS[runner](spec, timeout_s)
+        return RUNNERS[runner](spec, timeout_s, side)
     except RuntimeError as exc:
         lines = [line for line in str(exc).splitlines() if line.strip()]
         cause = next((line for line in lines if "SIGSEGV" in line or "Error" in line), lines[-1])
         print(f"[parallel] {runner} {spec.layout} failed, running it once more: {cause}")
-        return {**RUNNERS[runner](spec, timeout_s), "retried": cause.strip()[:300]}
+        return {**RUNNERS[runner](spec, timeout_s, side), "retried": cause.strip()[:300]}
 
 
-def run_turns(spec: workload.Spec, windows: int, timeout_s: float, backend_config: str) -> dict:
+def run_turns(spec: workload.Spec, windows: int, timeout_s: float, side: PolytrainSide) -> dict:
     """The native script and polytrain side by side, taking ``windows`` turns each.
 
     The native script starts once polytrain's workers have set up and given their
@@ -146,7 +161,7 @@ def run_turns(spec: workload.Spec, windows: int, timeout_s: float, backend_confi
             "native": [*torchrun, f"--nproc_per_node={workload.NUM_WORKERS}"]
             + [str(HERE / "native_mesh.py"), *common],
             "polytrain": [sys.executable, str(HERE / "polytrain_mesh.py"), *common]
-            + ["--backend-config", backend_config],
+            + side.arguments(),
         }
         procs: dict[str, subprocess.Popen] = {}
         deadline = time.monotonic() + timeout_s
@@ -155,7 +170,7 @@ def run_turns(spec: workload.Spec, windows: int, timeout_s: float, backend_confi
                 log = open(Path(shared) / f"{job}.log", "w")  # noqa: SIM115 (the process owns it)
                 procs[job] = subprocess.Popen(
                     commands[job],
-                    env=_env(job),
+                    env=_env(dict(side.env) if job == "polytrain" else None),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # torchrun's ranks and Ray's workers go with it
@@ -211,24 +226,38 @@ def _suite(args: argparse.Namespace, name: str, **settings: object) -> tuple[dic
     return {**data, **settings, "runs": []}, partial
 
 
+def _resume_key(run: dict) -> tuple:
+    """A measured run's layout and trial: ``--resume`` skips those it finds again."""
+    trial = {
+        "backend_config": run.get("backend_config", {}),
+        "polytrain_env": run.get("polytrain_env", {}),
+    }
+    return (
+        run["rep"],
+        run["layout"],
+        run.get("optimizer", "adamw"),
+        json.dumps(trial, sort_keys=True),
+    )
+
+
 def measure_turns(args: argparse.Namespace) -> dict:
     data, partial = _suite(args, "partial_turns", windows=args.turns)
     if args.resume and partial.exists():  # a suite that stopped: keep the layouts it measured
         data["runs"] = json.loads(partial.read_text())["runs"]
-    done = {(run["rep"], run["layout"], run.get("optimizer", "adamw")) for run in data["runs"]}
+    trial = json.dumps(args.side.record(), sort_keys=True)
+    done = {_resume_key(run) for run in data["runs"]}
     for rep in range(args.reps):
         for layout in args.layouts:
-            if (rep, layout, args.optimizer) in done:
+            if (rep, layout, args.optimizer, trial) in done:
                 continue
             spec = workload.Spec(args.size, layout, args.steps, 0, args.optimizer)
             load = os.getloadavg()[0]
             start = time.monotonic()
-            result = run_turns(spec, args.turns, args.timeout_s, args.backend_config)
+            result = run_turns(spec, args.turns, args.timeout_s, args.side)
             data["runs"].append(
                 {
                     "rep": rep, "layout": layout, "optimizer": args.optimizer,
-                    "backend_config": json.loads(args.backend_config),
-                    "polytrain_env": POLYTRAIN_ENV,
+                    **args.side.record(),
                     "load_1m": round(load, 2), "wall_s": round(time.monotonic() - start, 1),
                     **result,
                 }
@@ -327,11 +356,12 @@ def measure(args: argparse.Namespace) -> dict:
                 spec = workload.Spec(args.size, layout, args.steps, args.warmup, args.optimizer)
                 load = os.getloadavg()[0]
                 start = time.monotonic()
-                result = run_once_more_on_a_crash(runner, spec, args.timeout_s)
+                result = run_once_more_on_a_crash(runner, spec, args.timeout_s, args.side)
                 data["runs"].append(
                     {
                         "rep": rep, "layout": layout, "runner": runner, "load_1m": round(load, 2),
-                        "wall_s": round(time.monotonic() - start, 1), **result,
+                        "wall_s": round(time.monotonic() - start, 1), **args.side.record(),
+                        **result,
                     }
                 )  # fmt: skip
                 partial.write_text(json.dumps(data, indent=1))  # a long run's results so far
@@ -454,11 +484,11 @@ def main() -> None:
     parser.add_argument("--size", default="350m", choices=sorted(workload.SIZES))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=workload.Spec.steps)
-    parser.add_argument("--warmup", type=int, default=workload.Spec.warmup)
+    parser.add_argument("--warmup", type=int, help=f"back to back (default {workload.Spec.warmup})")
     parser.add_argument("--layouts", default=",".join(workload.LAYOUTS))
     parser.add_argument("--optimizer", default="adamw", choices=workload.OPTIMIZERS)
     parser.add_argument(
-        "--backend-config", default="{}", help="turns: polytrain's fsdp backend_config (JSON)"
+        "--backend-config", default="{}", help="polytrain's fsdp backend_config (JSON), a trial"
     )
     parser.add_argument("--timeout-s", type=float, default=1200)
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "out" / "parallel"))
@@ -471,11 +501,26 @@ def main() -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="turns: an environment variable for polytrain's job only (repeatable)",
+        help="an environment variable for polytrain's job only, a trial (repeatable)",
     )
     parser.add_argument("--update-results", action="store_true")
     args = parser.parse_args()
-    POLYTRAIN_ENV.update(item.split("=", 1) for item in args.polytrain_env)
+    if args.turns and args.warmup is not None:
+        parser.error("--warmup is for back-to-back runs: with --turns the first window warms up")
+    if args.resume and not args.turns:
+        parser.error("--resume keeps a stopped --turns suite's runs; add --turns W")
+    if args.warmup is None:
+        args.warmup = workload.Spec.warmup
+    unset = [item for item in args.polytrain_env if "=" not in item]
+    if unset:
+        parser.error(f"--polytrain-env takes KEY=VALUE; got {unset}")
+    args.side = PolytrainSide(
+        args.backend_config, tuple(tuple(item.split("=", 1)) for item in args.polytrain_env)
+    )
+    try:
+        args.side.record()
+    except json.JSONDecodeError as exc:
+        parser.error(f"--backend-config must be a JSON object; got {args.backend_config!r}: {exc}")
     args.layouts = args.layouts.split(",")
     try:
         data = measure_turns(args) if args.turns else measure(args)

@@ -87,7 +87,11 @@ class Turns:
 
 
 def release_heap() -> None:
-    """Give glibc's free heap pages back to the system (no live tensor changes)."""
+    """Give glibc's free heap pages back to the system (no live tensor changes).
+
+    What ``polytrain.compat.allocator.release_free_memory`` does; written out here
+    because the native script must not import polytrain.
+    """
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
@@ -105,20 +109,21 @@ def gather_faults(since: int) -> list[int]:
     return counts
 
 
-def read_faults(directory: str | os.PathLike, job: str) -> list[list[int]]:
-    """A job's page faults per window and rank, in window order (empty where not recorded)."""
+def _records(directory: str | os.PathLike, job: str) -> list[dict]:
+    """What :meth:`Turns.hand_over` recorded for ``job``, in window order."""
     path = Path(directory) / f"{job}.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    records.sort(key=lambda r: r["window"])
-    return [r.get("faults", []) for r in records]
+    return sorted(records, key=lambda r: r["window"])
+
+
+def read_faults(directory: str | os.PathLike, job: str) -> list[list[int]]:
+    """A job's page faults per window and rank, in window order (empty where not recorded)."""
+    return [r.get("faults", []) for r in _records(directory, job)]
 
 
 def read_windows(directory: str | os.PathLike, job: str) -> list[float]:
     """A job's recorded window times, in window order (seconds per step)."""
-    path = Path(directory) / f"{job}.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    records.sort(key=lambda r: r["window"])
-    return [r["s"] / r["steps"] for r in records]
+    return [r["s"] / r["steps"] for r in _records(directory, job)]
 
 
 def sandwich_ratios(native: list[float], polytrain: list[float], skip: int = 1) -> list[float]:
