@@ -273,8 +273,11 @@ class _DropNotMainThreadWarning(logging.Filter):
 
 
 #: What a Ray Client proxy answers when the server process it starts for one client died
-#: at start-up; the proxy starts a fresh one, on another port, for the next client.
-CLIENT_SERVER_START_FAILED = "Starting Ray client server failed"
+#: at start-up; the proxy starts a fresh one, on another port, for the next client. The
+#: proxy reports it in one of two ways: its own message when it sees the process gone,
+#: or psutil's ``ZombieProcess`` when the process exits between the proxy's liveness
+#: check and its read of the command line (proxier.py's ``start_specific_server``).
+CLIENT_SERVER_START_FAILED = ("Starting Ray client server failed", "psutil.ZombieProcess")
 
 
 def _client_server_start_failed(target: RayTarget, exc: BaseException | None) -> bool:
@@ -282,7 +285,7 @@ def _client_server_start_failed(target: RayTarget, exc: BaseException | None) ->
     return (
         isinstance(exc, ConnectionAbortedError)
         and any((a or "").startswith("ray://") for a in (target.given, target.recorded))
-        and CLIENT_SERVER_START_FAILED in str(exc)
+        and any(report in str(exc) for report in CLIENT_SERVER_START_FAILED)
     )
 
 
