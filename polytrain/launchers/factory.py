@@ -19,6 +19,7 @@ def make_group(
     env_vars: dict[str, str] | None = None,
     num_workers: int | None = None,
     preload: Sequence[str] = (),
+    process_env: dict[str, str] | None = None,
 ) -> WorkerGroup:
     """A worker group for ``scaling``, not started yet (the caller calls ``group.start()``).
 
@@ -35,6 +36,10 @@ def make_group(
         preload: modules new workers import in the background as soon as they start
             (the backend's ``preload_modules``); see
             :class:`~polytrain.launchers.worker_group.RayWorkerGroup`.
+        process_env: environment the worker processes are started with (the
+            backend's ``worker_process_env``); see
+            :class:`~polytrain.launchers.worker_group.RayWorkerGroup`. Local mode
+            has no process to start: the driver's own keeps its environment.
 
     Raises:
         ConnectionError: the Ray cluster at ``scaling.address`` cannot be reached.
@@ -61,6 +66,7 @@ def make_group(
         start_timeout_s=scaling.start_timeout_s,
         env_vars=env_vars,
         preload=preload,
+        process_env=process_env,
     )
 
 

@@ -32,6 +32,7 @@ from polytrain.launchers.placement import (
     wait_until_placed,
 )
 from polytrain.launchers.pool import warm_pool as pool
+from polytrain.launchers.process_env import resolve_process_env
 from polytrain.launchers.ranks import (
     RankInfo,
     WorkerMetadata,
@@ -61,7 +62,12 @@ class RayWorkerGroup(GroupCalls, base.WorkerGroup):
         placement_strategy: one of "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD".
         start_timeout_s: fail if the workers cannot be placed within this time; None:
             30 s, or minutes when an autoscaler may add nodes for them.
-        env_vars: environment every worker starts with.
+        env_vars: environment every worker sets on itself when it starts (or is reused).
+        process_env: environment the worker processes are started with, through Ray's
+            ``runtime_env`` (variables read only at process start, as glibc's
+            ``MALLOC_ARENA_MAX``); a value the Ray job's ``runtime_env`` or the
+            driver's environment sets wins (see :mod:`polytrain.launchers.process_env`).
+            :attr:`process_env` is what the workers got.
         preload: modules new workers import in the background as soon as they start
             (torch, the backend's libraries), while the driver goes on setting up;
             the pool's ``preload`` setting, where set, replaces them.
@@ -88,6 +94,7 @@ class RayWorkerGroup(GroupCalls, base.WorkerGroup):
         start_timeout_s: float | None = None,
         env_vars: dict[str, str] | None = None,
         preload: Sequence[str] | None = None,
+        process_env: dict[str, str] | None = None,
     ) -> None:
         if placement_strategy not in PLACEMENT_STRATEGIES:
             raise ConfigError(
@@ -102,6 +109,9 @@ class RayWorkerGroup(GroupCalls, base.WorkerGroup):
         self.placement_strategy = placement_strategy
         self.start_timeout_s = start_timeout_s
         self.env_vars = dict(env_vars or {})
+        self.process_env = (
+            resolve_process_env(process_env, _job_env_vars()) if process_env else {}
+        )
         configured = pool.get_settings().preload  # set by the user: it wins over the backend's
         self.preload = tuple(configured if configured is not None else (preload or ()))
         self.actors: list[Any] = []
@@ -251,8 +261,11 @@ class RayWorkerGroup(GroupCalls, base.WorkerGroup):
         remote_cls = ray.remote(concurrency_groups={MONITOR_GROUP: 2})(Worker)
         # Workers take the driver's CPU priority (Ray's default worker niceness is 15).
         niceness = os.getpriority(os.PRIO_PROCESS, 0)
+        # Ray merges these env_vars into the job's runtime_env (the rest of it is kept).
+        process = {"runtime_env": {"env_vars": self.process_env}} if self.process_env else {}
         return [
             remote_cls.options(
+                **process,
                 num_cpus=self.bundle["CPU"],
                 num_gpus=self.bundle.get("GPU", 0),
                 resources={k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")},
@@ -338,3 +351,12 @@ class RayWorkerGroup(GroupCalls, base.WorkerGroup):
 
 #: The name this class had before the contract was declared; kept for existing imports.
 WorkerGroup = RayWorkerGroup
+
+
+def _job_env_vars() -> dict[str, str]:
+    """The ``env_vars`` of the connected Ray job's ``runtime_env`` (none when Ray cannot say)."""
+    try:
+        runtime_env = ray.get_runtime_context().runtime_env
+    except Exception:  # noqa: BLE001 - e.g. an older Ray Client server: no job-level values known
+        return {}
+    return dict(runtime_env.get("env_vars") or {})

@@ -162,6 +162,7 @@ class RunLoop:
             env_vars={**self.workload.worker_env(), **rendezvous.worker_env_vars()},
             num_workers=self.group_size,
             preload=self.backend.preload_modules,
+            process_env=rendezvous.worker_process_env(),
         )
         try:
             group.start()

@@ -83,6 +83,9 @@ class _HookedRendezvous(Rendezvous):
     def worker_env_vars(self) -> dict[str, str]:
         return self.inner.worker_env_vars()
 
+    def worker_process_env(self) -> dict[str, str]:
+        return self.inner.worker_process_env()
+
     def on_start(self, group: WorkerGroup, ctx: WorkerContext) -> None:
         self.inner.on_start(group, ctx)
         self.user.on_start(group, self.user_config)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,6 +151,33 @@ def test_second_trainer_takes_the_first_trainers_workers(ray_start_4_cpus):
     stats = second.train(num_steps=2)  # a new process group and fresh components
     assert torch.isfinite(torch.tensor(stats["loss"]))
     second.shutdown()
+
+
+def _start_environment() -> dict[str, str]:
+    """What this process was started with (/proc), not what it set on itself since."""
+    with open("/proc/self/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {key.decode(): value.decode(errors="replace") for key, value in pairs}
+
+
+def test_torch_workers_start_with_one_malloc_arena_beside_the_jobs_environment(
+    ray_start_4_cpus,
+):
+    plain = _group()  # no process environment asked for: glibc's default
+    assert [env.get("MALLOC_ARENA_MAX") for env in plain.execute(_start_environment)] == [
+        None,
+        None,
+    ]
+    plain.shutdown()
+    trainer = _trainer()  # ddp: its processes must start otherwise, so not the pooled ones
+    assert not trainer._group.reused
+    started = trainer.apply_all_workers(_start_environment)
+    assert [env.get("MALLOC_ARENA_MAX") for env in started] == ["1", "1"]
+    # Ray merged it into the job's runtime_env: the session's PYTHONPATH is still there.
+    repo_root = str(Path(__file__).resolve().parents[2])
+    assert all(repo_root in env["PYTHONPATH"].split(os.pathsep) for env in started)
+    assert trainer._group.process_env == {"MALLOC_ARENA_MAX": "1"}
+    trainer.shutdown()
 
 
 def test_other_bundle_starts_fresh_workers(ray_start_4_cpus):

@@ -33,6 +33,7 @@ def _pool(*groups: IdleGroup) -> WorkerPool:
         ({}, {"strategy": "SPREAD"}, False),
         ({}, {"bundle": (("CPU", 2.0),)}, False),
         ({}, {"session": "s/2"}, False),  # workers of another Ray session or job
+        ({}, {"process_env": (("MALLOC_ARENA_MAX", "1"),)}, False),  # started otherwise
     ],
 )
 def test_only_own_soft_groups_of_the_same_bundle_and_session_resize(both, pooled_only, resizes):

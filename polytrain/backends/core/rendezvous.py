@@ -37,6 +37,15 @@ class Rendezvous:
         """Driver: environment variables every worker process must start with."""
         return {}
 
+    def worker_process_env(self) -> dict[str, str]:
+        """Driver: variables read only when a process starts, so set before it starts.
+
+        Unlike :meth:`worker_env_vars` (set in the running worker), these reach the
+        worker processes through Ray's ``runtime_env`` (see
+        :mod:`polytrain.launchers.process_env`); the user's own values win. Default: none.
+        """
+        return {}
+
     def on_start(self, group: WorkerGroup, ctx: WorkerContext) -> None:
         """Driver: rendezvous, environment and process groups, once the workers run."""
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from polytrain.backends.core.context import WorkerContext
 from polytrain.backends.core.rendezvous import Rendezvous
+from polytrain.launchers.process_env import single_arena_env
 from polytrain.launchers.ranks import torch_distributed_env
 
 if TYPE_CHECKING:
@@ -218,6 +219,13 @@ class TorchDistributedRendezvous(Rendezvous):
     Uses ``config.dist_backend`` when the backend's config has one (None: nccl on
     GPU, gloo on CPU).
     """
+
+    def worker_process_env(self) -> dict[str, str]:
+        """Driver: one malloc arena per worker, as a torchrun rank has in effect.
+
+        See :mod:`polytrain.launchers.process_env`.
+        """
+        return single_arena_env()
 
     def on_start(self, group: WorkerGroup, ctx: WorkerContext) -> None:
         """Driver: one process group over all workers (none in local mode)."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from polytrain.backends.core.rendezvous import Rendezvous
 from polytrain.launchers.network import interface_with_address
+from polytrain.launchers.process_env import single_arena_env
 
 # The older private name, re-exported by backends/horovod.py.
 _interface_with_address = interface_with_address
@@ -186,6 +187,13 @@ class HorovodRendezvous(Rendezvous):
         self._server: Any = None
         self._local_mode = False
         self._owns_local_init = False
+
+    def worker_process_env(self) -> dict[str, str]:
+        """Driver: one malloc arena per worker, as a horovodrun rank has in effect.
+
+        See :mod:`polytrain.launchers.process_env`.
+        """
+        return single_arena_env()
 
     def on_start(self, group: WorkerGroup, ctx: WorkerContext) -> None:
         """Driver: start the rendezvous server, give every worker its env, run ``hvd.init()``.

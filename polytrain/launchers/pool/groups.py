@@ -46,6 +46,8 @@ class PoolKey:
         scope: ``"own"`` for a group with its own placement group, else the hex id of
             the (Tune trial's) placement group its workers live in.
         session: :func:`session_token` when the group started.
+        process_env: what the processes were started with (Ray ``runtime_env``
+            ``env_vars``, fixed for a process's life), as sorted pairs.
     """
 
     bundle: tuple[tuple[str, float], ...]
@@ -53,20 +55,24 @@ class PoolKey:
     strategy: str
     scope: str
     session: str
+    process_env: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of(cls, group: Any, placement_group: Any = None) -> PoolKey:
         """The key of ``group`` now; ``placement_group``: the trial's its workers live in, if any."""
         scope = "own" if placement_group is None else placement_group.id.hex()
         bundle = tuple(sorted(group.bundle.items()))
-        return cls(bundle, group.num_workers, group.placement_strategy, scope, session_token())
+        process_env = tuple(sorted(group.process_env.items()))
+        return cls(
+            bundle, group.num_workers, group.placement_strategy, scope, session_token(), process_env
+        )
 
     def resizes_to(self, wanted: PoolKey) -> bool:
         """True if a pooled group of this key can serve ``wanted`` at another size.
 
         Only groups with placement groups of their own (never a Tune trial's, whose
         bundles are the trial's) and a soft strategy (:data:`RESIZABLE_STRATEGIES`),
-        with the same bundle, strategy and Ray session.
+        with the same bundle, strategy, Ray session and process environment.
         """
         return (
             self.num_workers != wanted.num_workers
@@ -75,6 +81,7 @@ class PoolKey:
             and self.strategy in RESIZABLE_STRATEGIES
             and self.bundle == wanted.bundle
             and self.session == wanted.session
+            and self.process_env == wanted.process_env
         )
 
 
