@@ -15,6 +15,7 @@ import torch
 
 from polytrain.errors import InsufficientResourcesError
 from polytrain.launchers.pool import warm_pool as pool
+from polytrain.launchers.process_env import single_arena_env
 from tests.integration.test_warm_pool import (  # noqa: F401 - empty_pool is an autouse fixture
     _cpus_free,
     _group,
@@ -53,7 +54,7 @@ def test_smaller_trainer_uses_the_first_workers_of_a_larger_warm_group(ray_start
 
     # All three come back together: a group of three takes them as they were.
     assert pool.idle_workers() == 3 and pool.stats()["resized"] == resized_before + 1
-    third = _group(num_workers=3)
+    third = _group(num_workers=3, process_env=single_arena_env())  # as the trainers' started
     assert third.reused and third.resized_from is None
     assert sorted(_pids(third)) == sorted(pids)
     third.shutdown()
@@ -76,7 +77,7 @@ def test_larger_trainer_adds_workers_to_a_smaller_warm_group(ray_start_4_cpus):
 
     # The grown group is pooled whole, and stopping it removes both placement groups.
     assert pool.idle_workers() == 3
-    again = _group(num_workers=3)
+    again = _group(num_workers=3, process_env=single_arena_env())
     assert again.reused and sorted(_pids(again)) == sorted(pids)
     again.shutdown()
     assert pool.clear() == 3
