@@ -2,10 +2,11 @@
 
 A Ray actor runs its tasks on a thread of Ray's, never on the process's main
 thread. glibc gives a thread that allocates an arena of its own (up to 8 per
-core); such an arena is a set of mmap'd heaps that glibc hands back to the
-kernel as soon as their top is free, so the next step faults those pages in
-again. A torchrun rank trains on its main thread, in the main (brk) arena, which
-keeps its top up to ``M_TRIM_THRESHOLD``. On a 355M model with 4 CPU ranks
+core); such an arena is a chain of mmap'd heaps of at most 64 MiB, and glibc
+unmaps a heap as soon as it is wholly free (``heap_trim`` in glibc's arena.c), so
+the next step maps and faults those pages in again. A torchrun rank trains on its
+main thread, in the main (brk) arena, which keeps its free top up to
+``M_TRIM_THRESHOLD``. On a 355M model with 4 CPU ranks
 (``benchmarks/parallel``, 2026-11-28) polytrain's ranks took 10-20 % more page
 faults per step than torchrun's and their steps took 4-7 % longer; with
 ``MALLOC_ARENA_MAX=1`` both the faults and the step time came back to torchrun's.
