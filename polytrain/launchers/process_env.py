@@ -8,8 +8,9 @@ the next step maps and faults those pages in again. A torchrun rank trains on it
 main thread, in the main (brk) arena, which keeps its free top up to
 ``M_TRIM_THRESHOLD``. On a 355M model with 4 CPU ranks
 (``benchmarks/parallel``, 2026-11-28) polytrain's ranks took 10-20 % more page
-faults per step than torchrun's and their steps took 4-7 % longer; with
-``MALLOC_ARENA_MAX=1`` both the faults and the step time came back to torchrun's.
+faults per step than torchrun's and their steps took 4.6-6.6 % longer; with
+``MALLOC_ARENA_MAX=1`` the faults are at torchrun's level and the step time within 1-2 %
+of it (medians of 9 alternating windows a layout, ``benchmarks/RESULTS.md``).
 
 glibc reads ``MALLOC_ARENA_MAX`` once, when the process starts: setting it in a
 running worker changes nothing. So it travels in the actors' Ray ``runtime_env``
