@@ -17,7 +17,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from polytrain import TorchTrainer
 from polytrain.backends.registry import available_backends, get_spec
 from polytrain.checkpoint.single_file import load_checkpoint
 from polytrain.errors import ConfigError
+from tests.integration.ray_head_process import stop_ray_head
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DDP = "examples/configs/ddp.yaml"
@@ -284,18 +284,6 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _pids_using(marker: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmdline and int(entry.name) != os.getpid():
-            pids.append(int(entry.name))
-    return pids
 
 
 @pytest.fixture(scope="module")
@@ -340,18 +328,7 @@ def ray_head():
                 time.sleep(2)
         yield address
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in _pids_using(temp_dir):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            time.sleep(2)
+        stop_ray_head(proc, temp_dir)
         log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.integration.ray_head_process import stop_ray_head
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MARKER = "token-accepted-5c21"
@@ -37,18 +38,6 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _pids_using(marker: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmdline:
-            pids.append(int(entry.name))
-    return pids
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -104,18 +93,7 @@ def token_head():
         _wait_for_dashboard(proc, address, token, log_path)
         yield address, token
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in _pids_using(temp_dir):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            time.sleep(2)
+        stop_ray_head(proc, temp_dir)
         log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
 

@@ -92,7 +92,10 @@ def _run(backend, backend_config, kill: bool):
 
 # One case per family in every run (recovery is the trainer's code for every backend; the
 # families differ in how their group is rebuilt); the others run with make test-long.
-RECOVERY_EVERY_RUN = {"ddp", "horovod", "fairscale-oss", "fsdp", "deepspeed-zero3", "mwms"}
+# ddp and fsdp lose workers in every run elsewhere: test_chaos.py's short runs (a killed
+# ddp worker, a removed fsdp node, both ending on the uninterrupted weights) and
+# test_multinode.py (a worker node SIGKILLed under ddp).
+RECOVERY_EVERY_RUN = {"horovod", "fairscale-oss", "deepspeed-zero3", "mwms"}
 
 
 @pytest.mark.parametrize(
