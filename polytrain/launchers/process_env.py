@@ -9,8 +9,8 @@ main thread, in the main (brk) arena, which keeps its free top up to
 ``M_TRIM_THRESHOLD``. On a 355M model with 4 CPU ranks
 (``benchmarks/parallel``, 2026-11-28) polytrain's ranks took 10-20 % more page
 faults per step than torchrun's and their steps took 4.6-6.6 % longer; with
-``MALLOC_ARENA_MAX=1`` the faults are at torchrun's level and the step time within 1-2 %
-of it (medians of 9 alternating windows a layout, ``benchmarks/RESULTS.md``).
+``MALLOC_ARENA_MAX=1`` the faults are at torchrun's level and the step time 0.98-1.03
+of it (median window ratios, ``benchmarks/RESULTS.md``).
 
 glibc reads ``MALLOC_ARENA_MAX`` once, when the process starts: setting it in a
 running worker changes nothing. So it travels in the actors' Ray ``runtime_env``
