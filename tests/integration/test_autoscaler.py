@@ -19,16 +19,16 @@ import math
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.integration.cluster_processes import pids_using, stop_cluster
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RAY = Path(sys.executable).with_name("ray")
@@ -90,33 +90,6 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _own_pids(marker: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if marker in proc.joinpath("cmdline").read_bytes().decode(errors="replace"):
-                    pids.append(int(proc.name))
-            except OSError:
-                pass
-    return pids
-
-
-def _stop(group: int, marker: str) -> None:
-    """Stop the cluster by its own processes: its process group, then anything in its dir."""
-    for sig, pause in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 1.0)):
-        try:
-            os.killpg(group, sig)
-        except ProcessLookupError:
-            pass
-        for pid in _own_pids(marker):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        time.sleep(pause)
-
-
 class FakeCluster:
     def __init__(self, root: Path, address: str, config: Path):
         self.root, self.address, self.config = root, address, config
@@ -171,16 +144,16 @@ def fake_cluster():
     try:
         out, _ = starter.communicate(timeout=120)
     except subprocess.TimeoutExpired:
-        _stop(starter.pid, str(root))
+        stop_cluster(starter.pid, str(root))
         pytest.skip("the fake autoscaling cluster did not start within 120 s")
     if starter.returncode != 0:
-        _stop(starter.pid, str(root))
+        stop_cluster(starter.pid, str(root))
         pytest.skip(f"the fake autoscaling cluster cannot start here: {out.decode()[-1500:]}")
     try:
         yield FakeCluster(root, address, config)
     finally:
-        _stop(starter.pid, str(root))
-        left = _own_pids(str(root))
+        stop_cluster(starter.pid, str(root))
+        left = pids_using(str(root))
         shutil.rmtree(root, ignore_errors=True)
         assert left == [], f"processes of the fake cluster still running: {left}"
 

@@ -17,7 +17,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from polytrain import TorchTrainer
 from polytrain.backends.registry import available_backends, get_spec
 from polytrain.checkpoint.single_file import load_checkpoint
 from polytrain.errors import ConfigError
-from tests.integration.ray_head_process import stop_ray_head
+from tests.integration.cluster_processes import free_ports, stop_ray_head
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DDP = "examples/configs/ddp.yaml"
@@ -273,17 +272,6 @@ def test_check_fails_with_a_clear_row_for_a_missing_backend(ray_address):
 
 
 # ------------------------------------------------------------------- submit
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +283,7 @@ def ray_head():
     process group, then any process whose command line names our temp dir.
     """
     temp_dir = tempfile.mkdtemp(prefix="ptjob", dir="/tmp")
-    gcs, dashboard, client, agent_http, agent_grpc, metrics, runtime_env_agent, node_manager, object_manager = _free_ports(9)  # fmt: skip
+    gcs, dashboard, client, agent_http, agent_grpc, metrics, runtime_env_agent, node_manager, object_manager = free_ports(9)  # fmt: skip
     ray_bin = Path(sys.executable).with_name("ray")
     command = [
         str(ray_bin), "start", "--head", "--block", f"--temp-dir={temp_dir}",

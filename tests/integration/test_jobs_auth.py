@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,23 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.ray_head_process import stop_ray_head
+from tests.integration.cluster_processes import free_ports, stop_ray_head
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MARKER = "token-accepted-5c21"
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -69,7 +55,7 @@ def token_head():
     """(dashboard address, token) of a Ray head that requires the token."""
     temp_dir = tempfile.mkdtemp(prefix="ptauth", dir="/tmp")
     token = secrets.token_hex(16)
-    gcs, dashboard, client, agent_http, agent_grpc, metrics, runtime_env_agent, node_manager, object_manager = _free_ports(9)  # fmt: skip
+    gcs, dashboard, client, agent_http, agent_grpc, metrics, runtime_env_agent, node_manager, object_manager = free_ports(9)  # fmt: skip
     command = [
         str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
         f"--temp-dir={temp_dir}", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=1",
