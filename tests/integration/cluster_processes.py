@@ -1,4 +1,4 @@
-"""Ports for, and the stopping of, Ray clusters a test starts in processes of its own.
+"""Stopping Ray clusters a test starts in processes of its own.
 
 ``ray stop`` would stop every Ray instance on the machine. A test's cluster runs in
 its own process group and its own session folder instead (``ray start --head
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 from pathlib import Path
 
@@ -20,18 +19,6 @@ import psutil
 #: ``ray start --block`` answers SIGTERM by stopping its children one by one with
 #: long grace periods (30-40 s seen at teardown); a test's cluster holds nothing to save.
 GRACE_S = 5
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports free now (all held at once while choosing)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def pids_using(marker: str) -> list[int]:

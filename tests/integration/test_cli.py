@@ -26,11 +26,12 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.harness.cases import free_ports
 from polytrain import TorchTrainer
 from polytrain.backends.registry import available_backends, get_spec
 from polytrain.checkpoint.single_file import load_checkpoint
 from polytrain.errors import ConfigError
-from tests.integration.cluster_processes import free_ports, stop_ray_head
+from tests.integration.cluster_processes import stop_ray_head
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DDP = "examples/configs/ddp.yaml"

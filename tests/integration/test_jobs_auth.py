@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.cluster_processes import free_ports, stop_ray_head
+from benchmarks.harness.cases import free_ports
+from tests.integration.cluster_processes import stop_ray_head
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MARKER = "token-accepted-5c21"
