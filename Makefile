@@ -2,6 +2,11 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# The whole suite runs in two pytest processes, a test file at a time in each (module fixtures
+# stay whole): the Ray tests wait on process starts about a third of the time, so two
+# streams fill the cores. PYTEST_WORKERS=0 runs it in this process.
+PYTEST_WORKERS ?= 2
+PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: setup test test-long demo bench lint unit docs chaos
 
@@ -12,10 +17,10 @@ test: setup       ## install everything (a single-node Slurm and chromium too, w
 	bash scripts/install_slurm.sh
 	bash scripts/install_chromium.sh
 	$(PY) -m ruff check polytrain tests examples benchmarks
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PARALLEL) $(PYTEST_ARGS)
 
 test-long: setup  ## the whole suite plus every case of the backend x option matrices
-	POLYTRAIN_LONG_TESTS=1 $(PY) -m pytest $(PYTEST_ARGS)
+	POLYTRAIN_LONG_TESTS=1 $(PY) -m pytest $(PARALLEL) $(PYTEST_ARGS)
 
 unit:             ## the fast unit tests only (no Ray)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

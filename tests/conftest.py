@@ -48,6 +48,9 @@ def ray_start_4_cpus():
 
     if not ray.is_initialized():
         ray.init(
+            # Always a new instance of this process's own: never a cluster named in the
+            # session file, nor the instance of another pytest process (make test runs two).
+            address="local",
             num_cpus=4,
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
@@ -136,6 +139,8 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):
+        return  # a pytest-xdist worker: the controlling process gets every report and writes
     faults = {
         nodeid.split("[", 1)[1].rstrip("]"): outcome
         for nodeid, outcome in _reliability_outcomes.items()

@@ -218,6 +218,9 @@ def test_sbatch_trains_on_a_real_slurm_and_stops_only_its_own_ray(slurm, bystand
         "TRAIN_ARGS": "num_workers=2 epochs=1",
         "RAY_START_ARGS": start_args,
         "NODE_WAIT_S": "120",
+        # Not the script's default polytrain_runs/slurm-$SLURM_JOB_ID in the checkout: each
+        # test's Slurm numbers its jobs from 1 again, and --resume would find the last run's.
+        "RUN_DIR": str(tmp_path / "run"),
     }
     export = "ALL," + ",".join(f"{k}={v}" for k, v in exports.items())
     try:
@@ -233,6 +236,7 @@ def test_sbatch_trains_on_a_real_slurm_and_stops_only_its_own_ray(slurm, bystand
         assert "polytrain: 1 Ray node(s) up" in log, log[-4000:]
         assert "on backend 'ddp' with 2 worker(s)" in log, log[-4000:]
         assert "epoch 0: loss" in log and "val_accuracy" in log, log[-4000:]
+        assert (tmp_path / "run" / "final.pt").is_file(), log[-4000:]  # RUN_DIR honoured
         # The job's Ray is gone; another Ray on the node (a bare `ray stop` would have
         # stopped it) still runs.
         assert _processes_with(f"{ray_dir}/") == []
