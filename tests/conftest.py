@@ -1,4 +1,4 @@
-"""Shared fixtures: one Ray instance per session, environment-leak guard, skip markers."""
+"""Shared fixtures: one Ray instance per pytest process, environment-leak guard, skip markers."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _worker_pythonpath() -> str:
 
 @pytest.fixture(scope="session")
 def ray_start_4_cpus():
-    """One local Ray instance with 4 logical CPUs, shared by every test that needs Ray."""
+    """One local Ray instance with 4 logical CPUs, shared by this process's tests that need Ray."""
     import ray
 
     if not ray.is_initialized():
