@@ -48,8 +48,8 @@ def ray_start_4_cpus():
 
     if not ray.is_initialized():
         ray.init(
-            # Always a new instance of this process's own: never a cluster named in the
-            # session file, nor the instance of another pytest process (make test runs two).
+            # Always a new instance of this process's own (make test runs two pytest
+            # processes), never a cluster RAY_ADDRESS or a `ray start` session file names.
             address="local",
             num_cpus=4,
             include_dashboard=False,
