@@ -2,9 +2,10 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
-# The whole suite runs in two pytest processes, a test file at a time in each (module fixtures
-# stay whole): the Ray tests wait on process starts about a third of the time, so two
-# streams fill the cores. PYTEST_WORKERS=0 runs it in this process.
+# The whole suite runs in two pytest processes, a test file at a time in each (module
+# fixtures stay whole): in one process the Ray tests leave the cores idle about 30 % of
+# the time (process starts, restarts, polls); two streams fill them.
+# PYTEST_WORKERS=0 runs it in this process.
 PYTEST_WORKERS ?= 2
 PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 

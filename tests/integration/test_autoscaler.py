@@ -19,7 +19,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,18 +27,13 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.harness.cases import free_ports
 from tests.integration.cluster_processes import pids_using, stop_cluster
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RAY = Path(sys.executable).with_name("ray")
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fake_config(gcs_address: str) -> dict:
@@ -126,7 +120,7 @@ def fake_cluster():
     if not RAY.exists():
         pytest.skip(f"no ray command next to {sys.executable}")
     root = Path(tempfile.mkdtemp(prefix="ptfake", dir="/tmp"))
-    port = _free_port()
+    port, dashboard, agent, client = free_ports(4)
     address = f"127.0.0.1:{port}"
     config = root / "autoscaling.json"
     config.write_text(json.dumps(_fake_config(address)))
@@ -134,8 +128,8 @@ def fake_cluster():
         str(RAY), "start", "--head", "--num-cpus=0", f"--port={port}",
         f"--autoscaling-config={config}", f"--temp-dir={root / 'ray'}",
         "--include-dashboard=false", "--disable-usage-stats",
-        f"--dashboard-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
-        f"--ray-client-server-port={_free_port()}",
+        f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={agent}",
+        f"--ray-client-server-port={client}",
     ]  # fmt: skip
     env = _env(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
     starter = subprocess.Popen(

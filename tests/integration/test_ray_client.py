@@ -23,15 +23,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from benchmarks.harness.cases import free_ports
+
 DRIVER = Path(__file__).with_name("ray_client_driver.py")
 #: The proxy's log, in the test's tmp_path (the fixture's and the test's are one folder).
 PROXY_LOG = "client_server.log"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for_port(proc: subprocess.Popen, port: int, log: Path, timeout_s: float = 60) -> None:
@@ -80,7 +76,7 @@ def client_address(ray_start_4_cpus, tmp_path):
     """``ray://127.0.0.1:PORT`` of a Ray Client server in front of the session's Ray."""
     ray = ray_start_4_cpus
     node = ray._private.worker._global_node
-    port = _free_port()
+    (port,) = free_ports(1)
     command = [
         sys.executable, "-m", "ray.util.client.server", "--mode=proxy", "--host=127.0.0.1",
         f"--port={port}", f"--address={ray.get_runtime_context().gcs_address}",

@@ -25,17 +25,14 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.harness.cases import free_ports
+from tests.integration.cluster_processes import pids_using
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SBATCH = REPO_ROOT / "examples" / "cluster" / "slurm" / "polytrain.sbatch"
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "scontrol")
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _require_slurm() -> None:
@@ -52,12 +49,13 @@ def _require_slurm() -> None:
 
 def _slurm_conf(root: Path, host: str) -> str:
     cpus = os.cpu_count() or 2
+    ctld_port, slurmd_port = free_ports(2)
     return "\n".join(
         [
             "ClusterName=polytrain-test",
             f"SlurmctldHost={host}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={ctld_port}",
+            f"SlurmdPort={slurmd_port}",
             "SlurmUser=root",
             "SlurmdUser=root",
             "AuthType=auth/munge",
@@ -165,28 +163,16 @@ def slurm():
         assert left == [], f"Slurm daemons still running: {left}"
 
 
-def _processes_with(marker: str) -> list[str]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and int(proc.name) != os.getpid():
-            try:
-                cmdline = proc.joinpath("cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if marker in cmdline:
-                found.append(f"{proc.name}: {cmdline[:200]}")
-    return found
-
-
 @pytest.fixture
 def bystander_ray():
     """Another Ray on the node (a user's own, or another job's): the job must leave it running."""
     ray_dir = Path(tempfile.mkdtemp(prefix="ray-by-", dir="/tmp"))
+    gcs, agent, client = free_ports(3)
     command = [
         str(Path(sys.executable).with_name("ray")), "start", "--head", "--num-cpus=0",
-        f"--port={_free_port()}", f"--temp-dir={ray_dir}", "--include-dashboard=false",
-        "--disable-usage-stats", f"--dashboard-agent-listen-port={_free_port()}",
-        f"--ray-client-server-port={_free_port()}",
+        f"--port={gcs}", f"--temp-dir={ray_dir}", "--include-dashboard=false",
+        "--disable-usage-stats", f"--dashboard-agent-listen-port={agent}",
+        f"--ray-client-server-port={client}",
     ]  # fmt: skip
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
@@ -200,19 +186,20 @@ def bystander_ray():
 
 
 def test_sbatch_trains_on_a_real_slurm_and_stops_only_its_own_ray(slurm, bystander_ray, tmp_path):
-    bystanders = _processes_with(f"{bystander_ray}/")
+    bystanders = pids_using(f"{bystander_ray}/")
     assert bystanders, "the bystander Ray did not start"
     ray_dir = Path(tempfile.mkdtemp(prefix="ray-pt-", dir="/tmp"))  # short: Ray's sockets
     out = tmp_path / "job.out"
+    agent, client, gcs, dashboard = free_ports(4)
     start_args = (
         "--include-dashboard=false --disable-usage-stats "
-        f"--dashboard-agent-listen-port={_free_port()} --ray-client-server-port={_free_port()}"
+        f"--dashboard-agent-listen-port={agent} --ray-client-server-port={client}"
     )
     exports = {
         "POLYTRAIN_VENV": str(Path(sys.executable).parent.parent),
         "HEAD_IP": "127.0.0.1",
-        "RAY_PORT": str(_free_port()),
-        "RAY_DASHBOARD_PORT": str(_free_port()),
+        "RAY_PORT": str(gcs),
+        "RAY_DASHBOARD_PORT": str(dashboard),
         "RAY_TEMP_DIR": str(ray_dir),
         "CONFIG": "examples/configs/ddp.yaml",
         "TRAIN_ARGS": "num_workers=2 epochs=1",
@@ -239,7 +226,7 @@ def test_sbatch_trains_on_a_real_slurm_and_stops_only_its_own_ray(slurm, bystand
         assert (tmp_path / "run" / "final.pt").is_file(), log[-4000:]  # RUN_DIR honoured
         # The job's Ray is gone; another Ray on the node (a bare `ray stop` would have
         # stopped it) still runs.
-        assert _processes_with(f"{ray_dir}/") == []
-        assert _processes_with(f"{bystander_ray}/") == bystanders
+        assert pids_using(f"{ray_dir}/") == []
+        assert pids_using(f"{bystander_ray}/") == bystanders
     finally:
         shutil.rmtree(ray_dir, ignore_errors=True)
